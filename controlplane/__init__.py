@@ -1,0 +1,1 @@
+"""The global controller: region health windows, failover, DNS steering and the admin API."""

@@ -1,0 +1,1 @@
+"""A vLLM-compatible node simulator (and, later, a fleet simulator) driven by GPU profiles."""
