@@ -101,6 +101,19 @@ class NodeState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     streams: dict[str, asyncio.Queue[TokenEvent | RequestRecord]] = field(default_factory=dict)
     steps: int = 0
+    engine_time: float = 0.0  # the end of the step being run, in simulation seconds
+    busy: bool = False
+
+    def now(self) -> float:
+        """Simulation time for stamping arrivals and aborts.
+
+        While the engine is busy it keeps its own time (each step starts where the last one
+        ended), so reported latencies are the profile's and not this process's scheduling
+        jitter times ``time_scale``; when the host cannot keep up, the simulation runs slower
+        than ``time_scale`` rather than reporting inflated latencies.
+        """
+        wall = self.clock.now()
+        return min(wall, self.engine_time) if self.busy else wall
 
 
 STATE: Final = web.AppKey("state", NodeState)
@@ -168,19 +181,25 @@ def _log_crash(task: asyncio.Task[None]) -> None:
 
 async def _run_engine(state: NodeState) -> None:
     engine = state.engine
+    clock = state.clock
     while True:
         if state.faults.hang or not engine.has_unfinished:
+            state.busy = False
             state.wake.clear()
             await state.wake.wait()
             continue
-        result = engine.step(
-            now=state.clock.now(), latency_multiplier=state.faults.latency_multiplier
-        )
+        if not state.busy:  # waking up: resume from the wall clock
+            state.busy = True
+            state.engine_time = max(state.engine_time, clock.now())
+        now = state.engine_time
+        result = engine.step(now=now, latency_multiplier=state.faults.latency_multiplier)
         if result.num_scheduled_tokens == 0 and not result.finished:
+            state.busy = False
             state.wake.clear()  # nothing can run until a request arrives or is aborted
             await state.wake.wait()
             continue
-        await asyncio.sleep(result.duration_s / state.clock.time_scale)
+        state.engine_time = now + result.duration_s
+        await asyncio.sleep(max(0.0, (state.engine_time - clock.now()) / clock.time_scale))
         state.steps += 1
         state.metrics.observe_step(result)
         for event in result.tokens:
@@ -474,7 +493,7 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         max_tokens=call.max_tokens,
         min_tokens=call.min_tokens,
         ignore_eos=call.ignore_eos,
-        now=state.clock.now(),
+        now=state.now(),
     )
     state.wake.set()
     done = False
@@ -491,10 +510,10 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     finally:
         state.streams.pop(request_id, None)
         if not done:
-            record = state.engine.abort(request_id, now=state.clock.now())
+            record = state.engine.abort(request_id, now=state.now())
             if record is not None:
                 state.wake.set()
-                log.info("request aborted request_id=%s reason=client-gone", request_id)
+                log.info("request aborted request_id=%s reason=connection-closed", request_id)
 
 
 async def _collect(

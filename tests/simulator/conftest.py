@@ -1,0 +1,68 @@
+"""Fixtures for simulator tests: small engine profiles and in-process simulated nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from simulator import node, profile
+
+NodeFactory = Callable[..., Awaitable[str]]
+
+
+def small_profile(**overrides: Any) -> profile.Profile:
+    """A tiny profile for engine tests: 4-token blocks, 8 of them, 1 ms per step."""
+    timing = profile.Timing(
+        step_overhead_ms=1.0,
+        linear_tokens=(1, 1000),
+        linear_ms=(0.0, 1.0),
+        decode_attention_ms_per_1k_kv_tokens=0.0,
+        prefill_attention_ms_per_1m_token_pairs=0.0,
+    )
+    base = profile.Profile(
+        name="test-small",
+        description="engine tests",
+        model="test-model",
+        max_model_len=32,
+        block_size=4,
+        num_gpu_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        mean_output_tokens=8,
+        timing=timing,
+        source="tests",
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+@pytest.fixture
+async def sim_node() -> AsyncIterator[NodeFactory]:
+    """Start simulated nodes in this event loop: ``url = await sim_node(profile="cpu-tiny")``."""
+    runners = []
+
+    async def start(
+        *,
+        profile_name: str = "cpu-tiny",
+        time_scale: float = 20.0,
+        seed: int = 0,
+        legacy_metrics: bool = False,
+        model: str | None = None,
+    ) -> str:
+        prof = profile.load(profile_name)
+        config = node.NodeConfig(
+            profile=prof,
+            model=model or prof.model,
+            time_scale=time_scale,
+            seed=seed,
+            legacy_metrics=legacy_metrics,
+        )
+        runner, port = await node.start(node.create_app(config))
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
