@@ -1,0 +1,117 @@
+"""``meridian-sim`` as an operator runs it: a real process on a free port."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+SIM = [sys.executable, "-m", "simulator.cli"]
+
+
+@pytest.fixture
+def h100_node() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc = subprocess.Popen(
+        [*SIM, "node", "--port", "0", "--profile", "h100-llama3-8b", "--time-scale", "10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("READY "):
+        proc.kill()
+        pytest.fail(
+            f"meridian-sim did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+        )
+    try:
+        yield proc, line.split()[1]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_node_answers_the_openai_client_streaming_and_not(
+    h100_node: tuple[subprocess.Popen[str], str],
+) -> None:
+    _, url = h100_node
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        assert model == "meta-llama/Meta-Llama-3-8B-Instruct"
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5
+        )
+        assert reply.choices[0].message.content
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=5,
+                stream=True,
+            )
+        )
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_injected_exit_ends_the_process(h100_node: tuple[subprocess.Popen[str], str]) -> None:
+    proc, url = h100_node
+    response = httpx.post(f"{url}/admin/faults", json={"exit": True})
+    assert response.status_code == 200
+    assert proc.wait(timeout=10) == 3
+
+
+def test_sigterm_stops_cleanly(h100_node: tuple[subprocess.Popen[str], str]) -> None:
+    proc, _ = h100_node
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def test_unknown_profile_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [*SIM, "node", "--port", "0", "--profile", "b200-llama5"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "unknown profile 'b200-llama5'" in done.stderr
+    assert "h100-llama3-8b" in done.stderr
+
+
+def test_bad_time_scale_is_rejected() -> None:
+    done = subprocess.run(
+        [*SIM, "node", "--port", "0", "--profile", "cpu-tiny", "--time-scale", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "--time-scale" in done.stderr
+
+
+def test_profiles_lists_the_builtin_profiles() -> None:
+    done = subprocess.run([*SIM, "profiles"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    for name in ("a100-llama3-8b", "cpu-tiny", "h100-llama3-8b"):
+        assert name in done.stdout
+
+
+def test_port_in_use_is_a_clear_error(h100_node: tuple[subprocess.Popen[str], str]) -> None:
+    _, url = h100_node
+    port = url.rsplit(":", 1)[1]
+    done = subprocess.run(
+        [*SIM, "node", "--port", port, "--profile", "cpu-tiny"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
