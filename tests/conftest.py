@@ -1,0 +1,61 @@
+"""Shared fixtures: real etcd and BIND9 on loopback (see tests/support/ for the details).
+
+etcd_server  session   one etcd for the whole run
+etcd         function  that etcd with an empty keyspace (every key deleted before the test)
+fresh_etcd   function  an etcd of the test's own, for tests that stop it or need revision 1
+bind_server  session   one named for the whole run; tests must use names of their own
+bind         function  a named of the test's own, zones as loaded (SOA, NS, ns1 A)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import BindServer, EtcdServer, start_bind, start_etcd
+
+_LOOPBACK = ("127.0.0.1", "localhost")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _loopback_bypasses_proxy() -> Iterator[None]:
+    """Keep test clients (grpc, urllib, aiohttp and httpx with trust_env) off any HTTP proxy
+    the environment names: every test server is on loopback."""
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("no_proxy", "NO_PROXY"):
+            listed = [h for h in os.environ.get(var, "").split(",") if h]
+            patch.setenv(var, ",".join([*listed, *_LOOPBACK]))
+        yield
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    with start_etcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdServer) -> EtcdServer:
+    etcd_server.wipe()
+    return etcd_server
+
+
+@pytest.fixture
+def fresh_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    with start_etcd(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def bind_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BindServer]:
+    with start_bind(tmp_path_factory.mktemp("bind")) as server:
+        yield server
+
+
+@pytest.fixture
+def bind(tmp_path: Path) -> Iterator[BindServer]:
+    with start_bind(tmp_path) as server:
+        yield server
