@@ -1,23 +1,26 @@
-"""Shared fixtures: real etcd and BIND9 on loopback (see tests/support/ for the details).
+"""Shared fixtures: real etcd, BIND9 and simulated vLLM nodes on loopback (tests/support/).
 
 etcd_server  session   one etcd for the whole run
 etcd         function  that etcd with an empty keyspace (every key deleted before the test)
 fresh_etcd   function  an etcd of the test's own, for tests that stop it or need revision 1
 bind_server  session   one named for the whole run; tests must use names of their own
 bind         function  a named of the test's own, zones as loaded (SOA, NS, ns1 A)
+sim_node     function  a factory of in-process meridian-sim nodes: url = await sim_node(...)
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from simulator import node, profile
 from tests.support import BindServer, EtcdServer, start_bind, start_etcd
 
 _LOOPBACK = ("127.0.0.1", "localhost")
+NodeFactory = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,3 +62,33 @@ def bind_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BindServer
 def bind(tmp_path: Path) -> Iterator[BindServer]:
     with start_bind(tmp_path) as server:
         yield server
+
+
+@pytest.fixture
+async def sim_node() -> AsyncIterator[NodeFactory]:
+    """Start simulated nodes in this event loop: ``url = await sim_node(profile="cpu-tiny")``."""
+    runners = []
+
+    async def start(
+        *,
+        profile_name: str = "cpu-tiny",
+        time_scale: float = 20.0,
+        seed: int = 0,
+        legacy_metrics: bool = False,
+        model: str | None = None,
+    ) -> str:
+        prof = profile.load(profile_name)
+        config = node.NodeConfig(
+            profile=prof,
+            model=model or prof.model,
+            time_scale=time_scale,
+            seed=seed,
+            legacy_metrics=legacy_metrics,
+        )
+        runner, port = await node.start(node.create_app(config))
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()

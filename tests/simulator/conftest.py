@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import pytest
+from simulator import profile
+from tests.conftest import NodeFactory
 
-from simulator import node, profile
-
-NodeFactory = Callable[..., Awaitable[str]]
+__all__ = ["NodeFactory", "small_profile"]
 
 
 def small_profile(**overrides: Any) -> profile.Profile:
@@ -36,33 +34,3 @@ def small_profile(**overrides: Any) -> profile.Profile:
         source="tests",
     )
     return dataclasses.replace(base, **overrides)
-
-
-@pytest.fixture
-async def sim_node() -> AsyncIterator[NodeFactory]:
-    """Start simulated nodes in this event loop: ``url = await sim_node(profile="cpu-tiny")``."""
-    runners = []
-
-    async def start(
-        *,
-        profile_name: str = "cpu-tiny",
-        time_scale: float = 20.0,
-        seed: int = 0,
-        legacy_metrics: bool = False,
-        model: str | None = None,
-    ) -> str:
-        prof = profile.load(profile_name)
-        config = node.NodeConfig(
-            profile=prof,
-            model=model or prof.model,
-            time_scale=time_scale,
-            seed=seed,
-            legacy_metrics=legacy_metrics,
-        )
-        runner, port = await node.start(node.create_app(config))
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()

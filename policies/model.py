@@ -1,0 +1,101 @@
+"""Ids and frozen snapshots that policies decide over.
+
+The agent builds a :class:`NodeView` per node from its own accounting (requests and tokens it
+has in flight), its health state and the node's latest telemetry, and a :class:`RequestView` per
+request; a routing policy turns them into a :class:`Decision`.  Nothing here does I/O.
+
+Telemetry fields are ``None`` when unknown: never scraped, or older than the staleness limit.
+Policies must treat ``None`` as "unknown", never as idle.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+NodeId = NewType("NodeId", str)
+
+
+class AdminState(enum.Enum):
+    """What an operator asked of a node."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"  # no new requests; in-flight ones finish
+
+
+class Health(enum.Enum):
+    """What the agent has observed of a node."""
+
+    HEALTHY = "healthy"
+    PROBATION = "probation"  # half-open after an ejection: a trickle of traffic
+    EJECTED = "ejected"  # passive outlier detection took it out for a while
+    UNHEALTHY = "unhealthy"  # active probes fail
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Telemetry:
+    """The latest scrape of a node's vLLM metrics, as the agent derived it."""
+
+    age_s: float
+    running: int
+    waiting: int
+    kv_util: float  # 0..1
+    prefix_hit_rate: float | None  # hits / queries over the last interval; None: no queries
+    block_size: int | None  # from vllm:cache_config_info
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeView:
+    """A node as a routing policy sees it at one instant."""
+
+    node_id: NodeId
+    models: frozenset[str]
+    admin: AdminState = AdminState.ACTIVE
+    health: Health = Health.HEALTHY
+    weight: float = 1.0  # relative capacity (mixed GPU types); > 0
+    in_flight: int = 0  # requests the agent has sent and not seen finish
+    in_flight_tokens: int = 0  # prompt + max_tokens of those requests
+    slots: int = 64  # most requests the agent keeps in flight on this node
+    slow_start: float = 1.0  # 0..1: share of full traffic while warming up after admission
+    telemetry: Telemetry | None = None  # None: unknown (never scraped, or stale)
+
+    @property
+    def routable(self) -> bool:
+        """May take a new request at all: active, and healthy or on probation."""
+        return self.admin is AdminState.ACTIVE and self.health in (
+            Health.HEALTHY,
+            Health.PROBATION,
+        )
+
+    @property
+    def has_slot(self) -> bool:
+        limit = 1 if self.health is Health.PROBATION else self.slots
+        return self.in_flight < limit
+
+    @property
+    def queue_depth(self) -> int | None:
+        """Requests waiting in the node's engine, or ``None`` when unknown."""
+        return None if self.telemetry is None else self.telemetry.waiting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestView:
+    """What a policy may know of a request."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the rendered prompt's full blocks
+    block_tokens: int = 16  # tokens per entry of ``block_hashes``
+    session_key: str | None = None  # X-Session-ID header, else the body's ``user``
+    priority: int = 1  # 0 is the most urgent
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """Where a request goes and why; ``node`` is ``None`` when no node can take it now."""
+
+    node: NodeId | None
+    reason: str
+    expected_hit_tokens: int = 0  # prompt tokens the policy expects the node to have cached

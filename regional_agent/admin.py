@@ -1,0 +1,210 @@
+"""The agent's admin endpoints, behind ``Authorization: Bearer <admin.token>``.
+
+=======  ===============================  ===================================================
+GET      /admin/nodes                     every node: state, load, telemetry, health, reasons
+POST     /admin/nodes                     add a node: ``{"url": ..., "id"?, "weight"?, "slots"?}``
+DELETE   /admin/nodes/{id}                remove a node (in-flight requests finish)
+POST     /admin/nodes/{id}/drain          no new requests; in-flight ones finish (drain timeout)
+POST     /admin/nodes/{id}/undrain        take traffic again
+PUT      /admin/nodes/{id}/weight         ``{"weight": 2.0}``
+GET      /admin/policy                    the routing policy and the ones available
+PUT      /admin/policy                    ``{"policy": "prefix_aware"}``: switch at run time
+GET      /admin/queue                     waiting requests per model, decisions and refusals
+=======  ===============================  ===================================================
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+import pydantic
+from aiohttp import web
+
+from policies import routing
+from policies.model import AdminState, NodeId
+from regional_agent.app_state import AGENT, Agent
+from regional_agent.discovery import make_node, refresh_models
+from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
+from regional_agent.nodes import Node
+from regional_agent.settings import NodeSettings
+
+log = logging.getLogger(__name__)
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/admin/nodes", list_nodes)
+    r.add_post("/admin/nodes", add_node)
+    r.add_delete("/admin/nodes/{node_id}", remove_node)
+    r.add_post("/admin/nodes/{node_id}/drain", drain)
+    r.add_post("/admin/nodes/{node_id}/undrain", undrain)
+    r.add_put("/admin/nodes/{node_id}/weight", set_weight)
+    r.add_get("/admin/policy", get_policy)
+    r.add_put("/admin/policy", set_policy)
+    r.add_get("/admin/queue", queue)
+
+
+def _authorize(request: web.Request) -> Agent:
+    agent = request.app[AGENT]
+    token = agent.settings.admin.token
+    if token is None:
+        raise Unauthorized("the admin API is disabled: start the agent with admin.token set")
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.get_secret_value().encode()
+    ):
+        raise Unauthorized("send 'Authorization: Bearer <admin token>'")
+    return agent
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _node(agent: Agent, request: web.Request) -> Node:
+    node_id = request.match_info["node_id"]
+    node = agent.pool.get(node_id)
+    if node is None:
+        known = ", ".join(n.node_id for n in agent.pool) or "none"
+        raise NotFound(f"no node {node_id!r}; nodes: {known}")
+    return node
+
+
+def describe(agent: Agent, node: Node) -> dict[str, Any]:
+    now = agent.clock.now()
+    admin_state = node.admin.value
+    if node.admin is AdminState.DRAINING and node.in_flight == 0:
+        admin_state = "drained"
+    return {
+        "id": node.node_id,
+        "url": node.url,
+        "models": sorted(node.models),
+        "admin": admin_state,
+        "weight": node.weight,
+        "slots": node.slots,
+        "in_flight": node.in_flight,
+        "in_flight_tokens": node.in_flight_tokens,
+        "requests_total": node.requests_total,
+        "errors_total": node.errors_total,
+        "health": agent.health.describe(node.node_id, now=now),
+        "telemetry": agent.scraper.describe(node.node_id),
+        "recent_decisions": list(node.decisions),
+    }
+
+
+async def list_nodes(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    return web.json_response(
+        {
+            "policy": agent.dispatcher.policy.name,
+            "nodes": [describe(agent, n) for n in agent.pool],
+        }
+    )
+
+
+async def add_node(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    try:
+        settings = NodeSettings.model_validate(await _body(request))
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadRequest(f"invalid node: {problems}") from exc
+    if settings.node_id in agent.pool:
+        raise Conflict(f"node {settings.node_id!r} already exists")
+    node = make_node(settings, default_slots=agent.settings.queue.slots_per_node)
+    agent.pool.add(node)
+    await refresh_models(agent, [node])
+    log.info(
+        "node added node=%s url=%s models=%s", node.node_id, node.url, ",".join(sorted(node.models))
+    )
+    return web.json_response(describe(agent, node), status=201)
+
+
+async def remove_node(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    node = _node(agent, request)
+    agent.pool.remove(node.node_id)
+    agent.scraper.forget(node.node_id)
+    agent.health.forget(node.node_id)
+    agent.dispatcher.policy.forget_node(node.node_id)
+    log.info("node removed node=%s in_flight=%d", node.node_id, node.in_flight)
+    return web.json_response({"removed": node.node_id, "in_flight": node.in_flight})
+
+
+async def drain(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    node = _node(agent, request)
+    if node.admin is not AdminState.DRAINING:
+        node.admin = AdminState.DRAINING
+        node.drain_started_s = agent.clock.now()
+        agent.pool.notify()
+        log.info("node draining node=%s in_flight=%d", node.node_id, node.in_flight)
+    return web.json_response(describe(agent, node))
+
+
+async def undrain(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    node = _node(agent, request)
+    if node.admin is not AdminState.ACTIVE:
+        node.admin = AdminState.ACTIVE
+        node.drain_started_s = None
+        agent.pool.notify()
+        log.info("node active again node=%s", node.node_id)
+    return web.json_response(describe(agent, node))
+
+
+async def set_weight(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    node = _node(agent, request)
+    weight = (await _body(request)).get("weight")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+        raise BadRequest(f"'weight' must be a number > 0, got {weight!r}", param="weight")
+    node.weight = float(weight)
+    agent.pool.notify()
+    log.info("node weight node=%s weight=%g", node.node_id, node.weight)
+    return web.json_response(describe(agent, node))
+
+
+async def get_policy(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    return web.json_response(
+        {"policy": agent.dispatcher.policy.name, "available": list(routing.NAMES)}
+    )
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    name = (await _body(request)).get("policy")
+    if not isinstance(name, str) or name not in routing.NAMES:
+        raise BadRequest(
+            f"'policy' must be one of {', '.join(routing.NAMES)}; got {name!r}", param="policy"
+        )
+    agent.dispatcher.set_policy(routing.create(name, agent.routing_config))
+    return web.json_response({"policy": name, "available": list(routing.NAMES)})
+
+
+async def queue(request: web.Request) -> web.Response:
+    agent = _authorize(request)
+    return web.json_response(
+        {
+            "waiting": {m: agent.dispatcher.depth(m) for m in sorted(agent.pool.models())},
+            "routed_by_reason": dict(agent.dispatcher.stats.routed),
+            "refused_by_cause": dict(agent.dispatcher.stats.rejected),
+            "retry_budget": round(agent.budget.available, 2),
+        }
+    )
+
+
+__all__ = ["NodeId", "add_routes", "describe"]

@@ -1,0 +1,127 @@
+"""``meridian-agent``: the region's OpenAI-compatible routing proxy.
+
+    meridian-agent --port 8080 --node http://127.0.0.1:8001 --node http://127.0.0.1:8002 \\
+                   [--policy meridian] [--config agent.toml] [--admin-token TOKEN]
+
+Flags override the environment (``MERIDIAN_AGENT_...``), which overrides the TOML file, which
+overrides the defaults (docs/agent.md lists every setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from aiohttp import web
+
+from regional_agent import settings as agent_settings
+from regional_agent.app import create_app
+
+log = logging.getLogger("meridian.agent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meridian-agent", description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, help="TOML settings file")
+    p.add_argument("--host", help="address to listen on (server.host)")
+    p.add_argument("--port", type=int, help="TCP port; 0 picks a free one (server.port)")
+    p.add_argument(
+        "--node", action="append", default=[], metavar="URL", help="a node's base URL (repeat)"
+    )
+    p.add_argument("--policy", help="routing policy (routing.policy)")
+    p.add_argument("--admin-token", help="bearer token for /admin/* (admin.token)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if server:
+        out["server"] = server
+    if args.node:
+        out["nodes"] = [{"url": url} for url in args.node]
+    if args.policy is not None:
+        out["routing"] = {"policy": args.policy}
+    if args.admin_token is not None:
+        out["admin"] = {"token": args.admin_token}
+    return out
+
+
+def _explain(exc: pydantic.ValidationError) -> str:
+    lines = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "settings"
+        lines.append(f"  {where}: {e['msg']}")
+    return "invalid settings:\n" + "\n".join(lines)
+
+
+async def _serve(settings: agent_settings.Settings) -> None:
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    port = sockets[0].getsockname()[1] if sockets else settings.server.port
+    log.info(
+        "meridian-agent listening url=http://%s:%d policy=%s nodes=%d",
+        settings.server.host,
+        port,
+        settings.routing.policy,
+        len(settings.nodes),
+    )
+    print(f"READY http://{settings.server.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
+    except pydantic.ValidationError as exc:
+        print(f"meridian-agent: {_explain(exc)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"meridian-agent: {exc}", file=sys.stderr)
+        return 2
+    if not settings.nodes:
+        print(
+            "meridian-agent: no nodes: pass --node URL (repeat) or set nodes in --config",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        asyncio.run(_serve(settings))
+    except OSError as exc:
+        print(
+            f"meridian-agent: cannot listen on {settings.server.host}:{settings.server.port}: "
+            f"{exc.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Errors of the regional agent, each carrying what the HTTP edge needs.
+
+::
+
+    AgentError                      http_status, openai_type, retryable
+    ├── BadRequest                  400  the client sent something we cannot serve
+    │   ├── BodyTooLarge            413
+    │   └── UnknownModel            404  no node serves the model
+    ├── Unauthorized                401  admin token missing or wrong
+    ├── NotFound                    404  admin: no such node
+    ├── Conflict                    409  admin: node already exists
+    ├── QueueFull                   429  the central queue is at its limit (Retry-After)
+    ├── DeadlineExceeded            504  waited in the queue past the deadline
+    ├── NoCapacity                  503  no routable node for the model
+    └── UpstreamError               a node failed; raised only by ``upstream/``
+        ├── UpstreamUnavailable     503  connect error, reset, timeout before the first byte
+        ├── UpstreamStatus          the node answered 5xx or 429 (retryable) or another status
+        └── UpstreamProtocolError   502  the node answered garbage
+
+Foreign exceptions (aiohttp's) are translated in ``upstream/`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AgentError(Exception):
+    http_status = 500
+    openai_type = "InternalServerError"
+    retryable = False
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.http_status,
+            }
+        }
+
+
+class BadRequest(AgentError):
+    http_status = 400
+    openai_type = "BadRequestError"
+
+
+class BodyTooLarge(BadRequest):
+    http_status = 413
+
+
+class UnknownModel(BadRequest):
+    http_status = 404
+    openai_type = "NotFoundError"
+
+
+class Unauthorized(AgentError):
+    http_status = 401
+    openai_type = "AuthenticationError"
+
+
+class NotFound(AgentError):
+    http_status = 404
+    openai_type = "NotFoundError"
+
+
+class Conflict(AgentError):
+    http_status = 409
+    openai_type = "ConflictError"
+
+
+class QueueFull(AgentError):
+    http_status = 429
+    openai_type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(AgentError):
+    http_status = 504
+    openai_type = "TimeoutError"
+
+
+class NoCapacity(AgentError):
+    http_status = 503
+    openai_type = "ServiceUnavailableError"
+
+
+class UpstreamError(AgentError):
+    """A node failed to serve; ``node_id`` says which."""
+
+    def __init__(self, message: str, *, node_id: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
+
+
+class UpstreamUnavailable(UpstreamError):
+    http_status = 503
+    openai_type = "ServiceUnavailableError"
+    retryable = True
+
+
+class UpstreamStatus(UpstreamError):
+    """The node answered with an error status; its body is relayed when not retried."""
+
+    def __init__(
+        self, message: str, *, node_id: str, status: int, body: bytes, content_type: str
+    ) -> None:
+        super().__init__(message, node_id=node_id)
+        self.http_status = status
+        self.upstream_body = body
+        self.content_type = content_type
+        self.retryable = status >= 500 or status == 429
+
+
+class UpstreamProtocolError(UpstreamError):
+    http_status = 502
+    openai_type = "BadGatewayError"

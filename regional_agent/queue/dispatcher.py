@@ -1,0 +1,237 @@
+"""The region's central queue: a request waits here until a node has a free slot for it.
+
+Routing happens when a request leaves the queue, not when it arrives, so it goes where things
+stand then.  The queue is drained whenever something a request could be routed on changes — a
+slot frees, a node's health or admin state changes, a telemetry round lands — through
+``NodePool.notify``.  Ordering and admission are ``policies.admission``'s; where a request goes
+is the routing policy's.
+
+A request is refused at once when no node serves its model (404) or none that does can take
+traffic at all (503: all drained, ejected or unhealthy — waiting would only hide an outage);
+it waits when routable nodes exist but their slots are full, up to ``max_depth`` waiting per
+model (429 with Retry-After past that) and its deadline (504).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from policies import admission, routing
+from policies.model import Decision, NodeId, NodeView, RequestView
+from regional_agent.clock import Clock
+from regional_agent.errors import DeadlineExceeded, NoCapacity, QueueFull, UnknownModel
+from regional_agent.nodes import NodePool
+from regional_agent.settings import QueueSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class Lease:
+    """A request's hold on one slot of one node; release it exactly once."""
+
+    node_id: NodeId
+    decision: Decision
+    tokens: int
+    queue_wait_s: float
+    policy: str
+    _dispatcher: Dispatcher
+    released: bool = False
+    timeout: asyncio.Timeout | None = None  # set by the proxy; drain reschedules it
+
+    def release(self, *, failed: bool = False) -> None:
+        if not self.released:
+            self.released = True
+            self._dispatcher._release(self, failed=failed)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Waiter:
+    item: admission.Waiting
+    request: RequestView
+    exclude: frozenset[NodeId]
+    future: asyncio.Future[Lease]
+    tokens: int
+
+
+@dataclass(slots=True)
+class DispatchStats:
+    routed: Counter[str] = field(default_factory=Counter)  # by policy reason
+    rejected: Counter[str] = field(default_factory=Counter)  # by cause
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        pool: NodePool,
+        policy: routing.Policy,
+        settings: QueueSettings,
+        clock: Clock,
+        rng: random.Random,
+    ) -> None:
+        self._pool = pool
+        self.policy = policy
+        self._settings = settings
+        self._clock = clock
+        self._rng = rng
+        self._waiting: dict[int, _Waiter] = {}
+        self._seq = itertools.count()
+        self._leases: dict[NodeId, set[Lease]] = {}
+        self.stats = DispatchStats()
+        pool.subscribe(self.pump)
+
+    # -- public ----------------------------------------------------------------------------
+
+    def set_policy(self, policy: routing.Policy) -> None:
+        log.info("routing policy changed from=%s to=%s", self.policy.name, policy.name)
+        self.policy = policy
+        self.pump()
+
+    def depth(self, model: str | None = None) -> int:
+        return sum(1 for w in self._waiting.values() if model is None or w.request.model == model)
+
+    def leases(self, node_id: NodeId) -> Iterable[Lease]:
+        return list(self._leases.get(node_id, ()))
+
+    async def acquire(
+        self, request: RequestView, *, tokens: int, exclude: frozenset[NodeId] = frozenset()
+    ) -> Lease:
+        """Wait for a slot; raises UnknownModel, NoCapacity, QueueFull or DeadlineExceeded."""
+        now = self._clock.now()
+        views = self._pool.views(now=now)
+        serving = [v for v in views if request.model in v.models]
+        if not serving:
+            self.stats.rejected["unknown-model"] += 1
+            models = ", ".join(sorted(self._pool.models())) or "none yet"
+            raise UnknownModel(
+                f"The model `{request.model}` does not exist. Models served here: {models}.",
+                param="model",
+            )
+        if not any(v.routable and v.node_id not in exclude for v in serving):
+            self.stats.rejected["no-capacity"] += 1
+            raise NoCapacity(
+                f"no node can serve `{request.model}` now: all are drained, ejected or "
+                "unhealthy (or already failed this request)"
+            )
+        item = admission.Waiting(seq=next(self._seq), priority=request.priority, enqueued_s=now)
+        # fast path: nobody of the same model is ahead, try to route right now
+        if not any(w.request.model == request.model for w in self._waiting.values()):
+            lease = self._try_route(request, exclude, tokens, enqueued_s=now, views=views)
+            if lease is not None:
+                return lease
+        if not admission.admit(self.depth(request.model), max_depth=self._settings.max_depth):
+            self.stats.rejected["queue-full"] += 1
+            raise QueueFull(
+                f"the queue for `{request.model}` is full ({self._settings.max_depth} waiting); "
+                f"retry after {self._settings.retry_after_s} s",
+                retry_after_s=self._settings.retry_after_s,
+            )
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiting[item.seq] = _Waiter(
+            item=item, request=request, exclude=exclude, future=future, tokens=tokens
+        )
+        self.pump()
+        try:
+            async with asyncio.timeout(self._settings.deadline_s):
+                lease = await asyncio.shield(future)
+        except TimeoutError:
+            self._abandon(item.seq, future)
+            self.stats.rejected["deadline"] += 1
+            raise DeadlineExceeded(
+                f"waited {self._settings.deadline_s:g} s in the queue for `{request.model}` "
+                "without a free node; the region is overloaded"
+            ) from None
+        except BaseException:  # the client went away while waiting
+            self._abandon(item.seq, future)
+            raise
+        return lease
+
+    def pump(self) -> None:
+        """Route every waiting request that can go somewhere now, in priority order."""
+        if not self._waiting:
+            return
+        now = self._clock.now()
+        views = self._pool.views(now=now)
+        ordered = admission.order(
+            [w.item for w in self._waiting.values()],
+            now=now,
+            max_wait_low_s=self._settings.max_wait_low_s,
+        )
+        blocked: set[str] = set()  # models whose head could not be routed
+        for item in ordered:
+            waiter = self._waiting.get(item.seq)
+            if waiter is None or waiter.future.done():
+                continue
+            if waiter.request.model in blocked and not waiter.exclude:
+                continue  # keep order within a model: nobody overtakes a blocked head
+            lease = self._try_route(
+                waiter.request,
+                waiter.exclude,
+                waiter.tokens,
+                enqueued_s=item.enqueued_s,
+                views=views,
+            )
+            if lease is None:
+                blocked.add(waiter.request.model)
+                continue
+            del self._waiting[item.seq]
+            waiter.future.set_result(lease)
+            views = self._pool.views(now=now)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _try_route(
+        self,
+        request: RequestView,
+        exclude: frozenset[NodeId],
+        tokens: int,
+        *,
+        enqueued_s: float,
+        views: list[NodeView],
+    ) -> Lease | None:
+        now = self._clock.now()
+        if exclude:
+            views = [v for v in views if v.node_id not in exclude]
+        decision = self.policy.choose(request, views, now=now, rng=self._rng)
+        if decision.node is None:
+            return None
+        self._pool.acquire(decision.node, tokens=tokens)
+        self.policy.observe_routed(request, decision.node, now=now)
+        node = self._pool.get(decision.node)
+        if node is not None:
+            node.decisions.append(decision.reason)
+        self.stats.routed[decision.reason.split(":")[0]] += 1
+        lease = Lease(
+            node_id=decision.node,
+            decision=decision,
+            tokens=tokens,
+            queue_wait_s=now - enqueued_s,
+            policy=self.policy.name,
+            _dispatcher=self,
+        )
+        self._leases.setdefault(decision.node, set()).add(lease)
+        return lease
+
+    def _release(self, lease: Lease, *, failed: bool) -> None:
+        held = self._leases.get(lease.node_id)
+        if held is not None:
+            held.discard(lease)
+            if not held:
+                del self._leases[lease.node_id]
+        self._pool.release(lease.node_id, tokens=lease.tokens, failed=failed)  # notifies: pump
+
+    def _abandon(self, seq: int, future: asyncio.Future[Lease]) -> None:
+        """A waiter gave up; if it was routed in the meantime, give the slot back."""
+        self._waiting.pop(seq, None)
+        if future.done():
+            if not future.cancelled() and future.exception() is None:
+                future.result().release()
+        else:
+            future.cancel()

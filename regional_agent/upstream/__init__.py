@@ -1,0 +1,5 @@
+"""The only code that speaks HTTP to nodes; it turns aiohttp's errors into the agent's own."""
+
+from regional_agent.upstream.client import NodeClient, UpstreamResponse
+
+__all__ = ["NodeClient", "UpstreamResponse"]
