@@ -95,8 +95,8 @@ class RetryBudget:
 
     def try_spend(self, *, now: float) -> bool:
         self._refill(now)
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self._tokens >= 1.0 - 1e-9:  # ten deposits of 0.1 make one retry
+            self._tokens = max(0.0, self._tokens - 1.0)
             return True
         return False
 

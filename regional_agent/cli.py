@@ -80,12 +80,12 @@ async def _serve(settings: agent_settings.Settings) -> None:
         settings.routing.policy,
         len(settings.nodes),
     )
-    print(f"READY http://{settings.server.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    print(f"READY http://{settings.server.host}:{port}", flush=True)
     try:
         await stop.wait()
     finally:

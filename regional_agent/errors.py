@@ -124,3 +124,4 @@ class UpstreamStatus(UpstreamError):
 class UpstreamProtocolError(UpstreamError):
     http_status = 502
     openai_type = "BadGatewayError"
+    retryable = True  # nothing reached the client yet: another node may do better

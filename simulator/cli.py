@@ -90,12 +90,12 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
         p.num_gpu_blocks,
         config.time_scale,
     )
-    print(f"READY http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    print(f"READY http://{host}:{bound}", flush=True)
     try:
         await stop.wait()
     finally:

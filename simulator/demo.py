@@ -1,12 +1,16 @@
-"""``make demo``: three simulated H100 nodes, a short chat load, and what their metrics say.
+"""``make demo``: simulated H100 nodes behind a regional agent, under traffic, with a failure.
 
-Starts three ``meridian-sim node`` processes on free loopback ports, sends a stream of chat
-requests from three "tenants" (each with its own long system prompt, so prefixes repeat), round
-robin across the nodes, measures time to first token at the client, then scrapes every node's
-``/metrics`` the way a router does and prints a table.  Later issues put the regional agent,
-etcd, the controller and DNS in front of these nodes.
+Starts four ``meridian-sim node`` processes and one ``meridian-agent`` in front of them, then
+sends streaming chat traffic from three tenants (each with a long system prompt, so prefixes
+repeat, and a handful of sessions) through the agent.  Every second it prints each node's load
+and the agent's latest routing decision, read from the agent's admin API.  A third of the way
+in it drains one node; two thirds in it kills another outright.  At the end it prints, per
+node, what was served and what the node's own ``/metrics`` say about its prefix cache, and how
+many client requests failed.
 
-    python -m simulator.demo [--requests 60] [--concurrency 12] [--time-scale 1]
+Later issues put etcd, the controller and DNS around this region.
+
+    python -m simulator.demo [--requests 240] [--concurrency 16] [--time-scale 1]
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.offline import percentile
 
+ADMIN_TOKEN = "demo-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENANTS = {
     "support": "You are a support agent for a GPU cloud. Answer briefly and cite the runbook. "
     * 24,
@@ -42,170 +50,229 @@ QUESTIONS = (
 
 
 @dataclass
-class NodeProc:
+class Proc:
     name: str
     url: str
     proc: subprocess.Popen[str]
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    failed: int = 0
     ttfts_s: list[float] = field(default_factory=list)
-    errors: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
-def _start_node(name: str, profile: str, time_scale: float, seed: int) -> NodeProc:
-    cmd = [
-        sys.executable,
-        "-m",
-        "simulator.cli",
-        "node",
-        "--port",
-        "0",
-        "--profile",
-        profile,
-        "--time-scale",
-        str(time_scale),
-        "--seed",
-        str(seed),
-        "--log-level",
-        "WARNING",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+def _start(name: str, args: list[str]) -> Proc:
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
-        raise SystemExit(f"demo: node {name} did not start (output: {line!r})")
-    return NodeProc(name=name, url=line.split()[1], proc=proc)
+        raise SystemExit(f"demo: {name} did not start (output: {line!r})")
+    return Proc(name=name, url=line.split()[1], proc=proc)
 
 
-async def _one(session: aiohttp.ClientSession, node: NodeProc, tenant: str, question: str) -> None:
+async def _one(
+    session: aiohttp.ClientSession, agent: str, rng: random.Random, tally: Tally
+) -> None:
+    tenant = rng.choice(list(TENANTS))
     body = {
+        "model": "meta-llama/Meta-Llama-3-8B-Instruct",
         "messages": [
             {"role": "system", "content": TENANTS[tenant]},
-            {"role": "user", "content": question},
+            {"role": "user", "content": rng.choice(QUESTIONS)},
         ],
         "max_tokens": 48,
         "stream": True,
     }
+    headers = {"X-Session-ID": f"{tenant}-{rng.randrange(4)}", "X-Tenant": tenant}
     t0 = time.monotonic()
     first: float | None = None
-    async with session.post(f"{node.url}/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            node.errors += 1
-            return
-        async for line in r.content:
-            is_token = b'"content": "' in line and b'"content": ""' not in line
-            if first is None and is_token:
-                first = time.monotonic()
+    try:
+        async with session.post(f"{agent}/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status != 200:
+                tally.failed += 1
+                tally.errors.append(f"HTTP {r.status}")
+                return
+            async for line in r.content:
+                if line.startswith(b'data: {"error"'):
+                    tally.failed += 1
+                    tally.errors.append(json.loads(line[6:])["error"]["message"][:100])
+                    return
+                is_token = b'"content": "' in line and b'"content": ""' not in line
+                if first is None and is_token:
+                    first = time.monotonic()
+    except aiohttp.ClientError as exc:
+        tally.failed += 1
+        tally.errors.append(type(exc).__name__)
+        return
+    tally.ok += 1
     if first is not None:
-        node.ttfts_s.append(first - t0)
+        tally.ttfts_s.append(first - t0)
 
 
-async def _load(nodes: Sequence[NodeProc], *, requests: int, concurrency: int, seed: int) -> None:
-    rng = random.Random(seed)
-    sem = asyncio.Semaphore(concurrency)
-    done = 0
-
-    async def task(i: int, session: aiohttp.ClientSession) -> None:
-        nonlocal done
-        async with sem:
-            node = nodes[i % len(nodes)]  # round robin: the agent (next issue) routes smarter
-            await _one(session, node, rng.choice(list(TENANTS)), rng.choice(QUESTIONS))
-        done += 1
-        if done % 10 == 0 or done == requests:
-            print(f"  {done}/{requests} requests done", flush=True)
-
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(task(i, session) for i in range(requests)))
+async def _admin_nodes(session: aiohttp.ClientSession, agent: str) -> list[dict[str, object]]:
+    async with session.get(f"{agent}/admin/nodes", headers=ADMIN) as r:
+        return list((await r.json())["nodes"])
 
 
-async def _scrape(url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-        text = await r.text()
+def _status_line(elapsed: float, done: int, total: int, nodes: list[dict[str, object]]) -> str:
+    cells = []
+    for n in nodes:
+        health = n["health"]
+        state = health.get("state", "?") if isinstance(health, dict) else "?"
+        admin = str(n["admin"])
+        flag = (
+            ""
+            if admin == "active" and state == "healthy"
+            else f" [{admin if admin != 'active' else state}]"
+        )
+        cells.append(f"{str(n['id']).split(':')[-1]}: {n['in_flight']:>2} in flight{flag}")
+    return f"[{elapsed:5.1f}s] {done:>3}/{total} done | " + " | ".join(cells)
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    try:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return {}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created") or "le" in sample.labels:
-                continue
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        for s in family.samples:
+            if not s.name.endswith("_created") and "le" not in s.labels:
+                out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 
-def _row(cells: Sequence[object], widths: Sequence[int]) -> str:
-    return "  ".join(
-        str(c).rjust(w) if i else str(c).ljust(w)
-        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-    )
+async def _run(
+    nodes: list[Proc], agent: Proc, *, requests: int, concurrency: int, seed: int
+) -> int:
+    rng = random.Random(seed)
+    tally = Tally()
+    sem = asyncio.Semaphore(concurrency)
+    started = time.monotonic()
+    events: list[str] = []
 
+    async with aiohttp.ClientSession() as session:
 
-async def _report(nodes: Sequence[NodeProc]) -> None:
-    header = (
-        "node",
-        "requests",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "prefix hit %",
-        "KV use %",
-        "preempted",
-        "errors",
-    )
-    widths = [max(len(h), 6) for h in header]
-    print()
-    print(_row(header, widths))
-    for node in nodes:
-        m = await _scrape(node.url)
-        queries = m.get("vllm:prefix_cache_queries_total", 0.0)
-        hits = m.get("vllm:prefix_cache_hits_total", 0.0)
-        done = m.get("vllm:request_success_total", 0.0)
-        cells = (
-            node.name,
-            int(done),
-            f"{percentile(node.ttfts_s, 0.5) * 1000:.0f}",
-            f"{percentile(node.ttfts_s, 0.99) * 1000:.0f}",
-            f"{100 * hits / queries:.1f}" if queries else "-",
-            f"{100 * m.get('vllm:kv_cache_usage_perc', 0.0):.2f}",
-            int(m.get("vllm:num_preemptions_total", 0.0)),
-            node.errors,
+        async def worker() -> None:
+            async with sem:
+                await _one(session, agent.url, rng, tally)
+
+        tasks = [asyncio.ensure_future(worker()) for _ in range(requests)]
+        drained = killed = False
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(1.0)
+            done = tally.ok + tally.failed
+            listing = await _admin_nodes(session, agent.url)
+            print(_status_line(time.monotonic() - started, done, requests, listing), flush=True)
+            if not drained and done >= requests // 3:
+                drained = True
+                node_id = listing[3]["id"]
+                await session.post(f"{agent.url}/admin/nodes/{node_id}/drain", headers=ADMIN)
+                events.append(f"drained {nodes[3].name} ({node_id}) after {done} requests")
+                print(f"  >>> draining {nodes[3].name}: no new requests, in-flight ones finish")
+            if not killed and done >= 2 * requests // 3:
+                killed = True
+                nodes[2].proc.send_signal(signal.SIGKILL)
+                events.append(f"killed {nodes[2].name} after {done} requests")
+                print(
+                    f"  >>> killing {nodes[2].name} (SIGKILL): the agent retries what had not begun"
+                )
+        await asyncio.gather(*tasks)
+        # the agent's probes notice the dead node within a couple of probe intervals
+        for _ in range(50):
+            listing = await _admin_nodes(session, agent.url)
+            health = listing[2]["health"]
+            if isinstance(health, dict) and health.get("state") != "healthy":
+                break
+            await asyncio.sleep(0.1)
+
+        listing = await _admin_nodes(session, agent.url)
+        agent_metrics = await _metrics(session, agent.url)
+        print()
+        header = f"{'node':8} {'state':>10} {'served':>7} {'prefix hit %':>13} {'last decision'}"
+        print(header)
+        for proc, n in zip(nodes, listing, strict=True):
+            m = await _metrics(session, proc.url)
+            queries = m.get("vllm:prefix_cache_queries_total", 0.0)
+            hits = m.get("vllm:prefix_cache_hits_total", 0.0)
+            health = n["health"]
+            state = health.get("state", "?") if isinstance(health, dict) else "?"
+            state = str(n["admin"]) if n["admin"] != "active" else str(state)
+            hit = f"{100 * hits / queries:.1f}" if queries else ("(dead)" if not m else "-")
+            decisions = n["recent_decisions"]
+            last = decisions[-1] if isinstance(decisions, list) and decisions else "-"
+            print(f"{proc.name:8} {state:>10} {n['requests_total']!s:>7} {hit:>13} {last}")
+        print()
+        print(
+            f"client: {tally.ok} ok, {tally.failed} failed; TTFT p50 "
+            f"{percentile(tally.ttfts_s, 0.5) * 1000:.0f} ms, p99 "
+            f"{percentile(tally.ttfts_s, 0.99) * 1000:.0f} ms (wall clock, through the agent)"
         )
-        print(_row(cells, widths))
-    print()
-    print("TTFT is measured at the client (wall clock); the rest is read from each node's")
-    print("/metrics page with prometheus_client's parser, as the regional agent reads vLLM.")
+        retries = agent_metrics.get("meridian_agent_retries_total", 0.0)
+        print(f"agent: {int(retries)} retries on another node before the first byte")
+        for event in events:
+            print(f"event: {event}")
+        if tally.errors:
+            print("failed requests (streams cut after their first token when their node died):")
+            for error, count in sorted({e: tally.errors.count(e) for e in tally.errors}.items()):
+                print(f"  {count} x {error}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--profile", default="h100-llama3-8b")
+    parser.add_argument("--policy", default="meridian")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.time_scale <= 0:
-        parser.error("--requests and --concurrency must be >= 1 and --time-scale > 0")
+    if args.requests < 3 or args.concurrency < 1 or args.time_scale <= 0:
+        parser.error("--requests >= 3, --concurrency >= 1 and --time-scale > 0")
 
-    print(f"Starting three simulated vLLM nodes ({args.profile}, time scale {args.time_scale:g})")
-    nodes: list[NodeProc] = []
+    procs: list[Proc] = []
     try:
-        for i in range(3):
-            node = _start_node(f"node-{i + 1}", args.profile, args.time_scale, args.seed + i)
+        print(
+            f"Starting four simulated vLLM nodes ({args.profile}, time scale {args.time_scale:g})"
+        )
+        nodes = []
+        for i in range(4):
+            node = _start(
+                f"node-{i + 1}",
+                ["simulator.cli", "node", "--port", "0", "--profile", args.profile,
+                 "--time-scale", str(args.time_scale), "--seed", str(args.seed + i),
+                 "--log-level", "WARNING"],
+            )  # fmt: skip
+            procs.append(node)
             nodes.append(node)
             print(f"  {node.name} at {node.url}")
-        print(
-            f"Sending {args.requests} chat requests from {len(TENANTS)} tenants, "
-            f"{args.concurrency} at a time, round robin"
+        agent = _start(
+            "agent",
+            ["regional_agent.cli", "--port", "0", "--policy", args.policy,
+             "--admin-token", ADMIN_TOKEN, "--log-level", "WARNING",
+             *[a for n in nodes for a in ("--node", n.url)]],
+        )  # fmt: skip
+        procs.append(agent)
+        print(f"Regional agent at {agent.url} (policy {args.policy})")
+        print(f"Sending {args.requests} streaming chat requests, {args.concurrency} at a time\n")
+        return asyncio.run(
+            _run(nodes, agent, requests=args.requests, concurrency=args.concurrency, seed=args.seed)
         )
-        asyncio.run(
-            _load(nodes, requests=args.requests, concurrency=args.concurrency, seed=args.seed)
-        )
-        asyncio.run(_report(nodes))
     finally:
-        for node in nodes:
-            node.proc.terminate()
-        for node in nodes:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.terminate()
+        for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                node.proc.wait(timeout=10)
-            if node.proc.stdout is not None:
-                node.proc.stdout.close()
-    return 0
+                p.proc.wait(timeout=10)
+            if p.proc.stdout is not None:
+                p.proc.stdout.close()
 
 
 if __name__ == "__main__":

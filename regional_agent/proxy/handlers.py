@@ -34,6 +34,7 @@ from regional_agent.app_state import AGENT, Agent
 from regional_agent.errors import (
     AgentError,
     BadRequest,
+    NoCapacity,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatus,
@@ -210,11 +211,21 @@ async def _attempts(
     tried: set[NodeId] = set()
     max_attempts = agent.settings.retry.max_attempts
     attempt = 0
+    last: UpstreamError | None = None
     while True:
         attempt += 1
-        lease = await agent.dispatcher.acquire(
-            parsed.view, tokens=parsed.tokens, exclude=frozenset(tried)
-        )
+        try:
+            lease = await agent.dispatcher.acquire(
+                parsed.view, tokens=parsed.tokens, exclude=frozenset(tried)
+            )
+        except NoCapacity:
+            if last is None:
+                raise
+            # no other node to retry on: the client gets the failure we saw
+            span.set_attribute("meridian.retries", attempt - 2)
+            if isinstance(last, UpstreamStatus):
+                return _relay_error(last), "none"
+            raise last from None
         agent.instruments.queue_wait.record(lease.queue_wait_s)
         agent.instruments.decisions.add(
             1, {"policy": lease.policy, "reason": lease.decision.reason.split(":")[0]}
@@ -235,6 +246,7 @@ async def _attempts(
             if not _node_at_fault(exc):
                 return _relay_error(exc), lease.node_id
             tried.add(lease.node_id)
+            last = exc
             can_retry = exc.retryable and attempt < max_attempts
             if can_retry and agent.budget.try_spend(now=agent.clock.now()):
                 cause = (

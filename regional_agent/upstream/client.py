@@ -25,6 +25,13 @@ from regional_agent.errors import UpstreamProtocolError, UpstreamStatus, Upstrea
 _CONNECTION_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 
+def _why(exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, asyncio.TimeoutError) or not text:
+        return type(exc).__name__ if not isinstance(exc, asyncio.TimeoutError) else "timed out"
+    return f"{type(exc).__name__}: {text}"
+
+
 class UpstreamResponse:
     """A node's response whose headers have arrived; iterate its body chunk by chunk."""
 
@@ -40,7 +47,7 @@ class UpstreamResponse:
                 yield chunk
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {self.node_id} broke the response stream: {exc!r}", node_id=self.node_id
+                f"node {self.node_id} broke the response stream: {_why(exc)}", node_id=self.node_id
             ) from exc
 
     async def read(self) -> bytes:
@@ -48,7 +55,7 @@ class UpstreamResponse:
             return await self._response.read()
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {self.node_id} broke the response: {exc!r}", node_id=self.node_id
+                f"node {self.node_id} broke the response: {_why(exc)}", node_id=self.node_id
             ) from exc
 
 
@@ -90,7 +97,7 @@ class NodeClient:
                     )
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: GET {url} failed: {exc!r}", node_id=node_id
+                f"node {node_id}: GET {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
         try:
             return body.decode("utf-8")
@@ -116,7 +123,7 @@ class NodeClient:
                 return r.status
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: probe {url} failed: {exc!r}", node_id=node_id
+                f"node {node_id}: probe {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
 
     @asynccontextmanager
@@ -132,7 +139,7 @@ class NodeClient:
                 response = await self.session.post(url, data=body, headers=dict(headers))
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: POST {url} failed: {exc!r}", node_id=node_id
+                f"node {node_id}: POST {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
         try:
             if response.status >= 400:

@@ -134,6 +134,59 @@ async def test_streaming_is_relayed_byte_for_byte(start_agent: AgentFactory) -> 
         await runner.cleanup()
 
 
+async def _garbage_backend() -> web.AppRunner:
+    """A node that lists the model and is healthy but answers completions with garbage."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def garbage(_: web.Request) -> web.Response:
+        return web.Response(body=b'{"choices": [tru', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post("/v1/completions", garbage)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def _runner_url(runner: web.AppRunner) -> str:
+    site = next(iter(runner.sites))
+    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def test_a_node_answering_garbage_is_penalised_and_the_client_gets_a_clean_answer(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    runner = await _garbage_backend()
+    try:
+        bad = _runner_url(runner)
+        good = await sim_node(profile_name="cpu-tiny")
+        handle = await start_agent([bad, good], policy="round_robin")
+        async with _client(handle.url) as client:
+            for _ in range(4):  # retried on the good node, before any byte reached the client
+                reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+                assert reply.choices[0].text
+        nodes = await _admin_nodes(handle)
+        assert int(nodes[bad]["errors_total"]) >= 2  # type: ignore[call-overload]
+        alone = await start_agent([bad], policy="round_robin")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{alone.url}/v1/completions", json={"model": MODEL, "prompt": "x"}) as r,
+        ):
+            assert r.status == 502
+            assert "malformed JSON" in (await r.json())["error"]["message"]
+    finally:
+        await runner.cleanup()
+
+
 async def test_same_long_prompt_lands_on_one_node_and_its_cache_proves_it(
     sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:

@@ -1,17 +1,25 @@
-"""``make demo`` runs end to end (shortened)."""
+"""``make demo`` runs end to end (shortened): nodes behind an agent, a drain and a kill."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from simulator import demo
 
 
-def test_demo_runs_and_reports_every_node(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--requests", "9", "--concurrency", "3", "--time-scale", "10"]) == 0
+def test_demo_runs_drains_kills_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--requests", "36", "--concurrency", "6", "--time-scale", "10"]) == 0
     out = capsys.readouterr().out
-    assert "9/9 requests done" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("node-")]
-    assert [row[0] for row in rows] == ["node-1", "node-2", "node-3"]
-    assert all(row[1] == "3" for row in rows)  # requests finished per node
-    assert all(row[-1] == "0" for row in rows)  # no errors
+    assert "draining node-4" in out and "killing node-3" in out
+    rows = {
+        line.split()[0]: line.split() for line in out.splitlines() if re.match(r"node-\d +\w", line)
+    }
+    assert set(rows) == {"node-1", "node-2", "node-3", "node-4"}
+    assert rows["node-4"][1] == "drained"
+    assert rows["node-3"][1] in ("ejected", "unhealthy")
+    assert rows["node-1"][1] == rows["node-2"][1] == "healthy"
+    ok, failed = map(int, re.search(r"client: (\d+) ok, (\d+) failed", out).groups())  # type: ignore[union-attr]
+    assert ok + failed == 36
+    assert ok >= 30  # only streams already under way on the killed node may fail

@@ -1,0 +1,754 @@
+"""Routing policies: which node takes a request, and why.
+
+The agent's shell builds a :class:`~policies.model.RequestView` and one
+:class:`~policies.model.NodeView` per node, and asks the configured policy::
+
+    policy = routing.create(settings.routing.policy, config)
+    decision = policy.choose(request, nodes, now=clock.now(), rng=rng)
+    if decision.node is not None:
+        send(...)
+        policy.observe_routed(request, decision.node, now=clock.now())
+
+Every policy first narrows the pool to :func:`candidates` (routable, serves the model, has a free
+slot) and returns ``Decision(node=None, reason=...)`` when none is left, so no policy can route
+to a draining, ejected or unhealthy node, to one that does not serve the model or to a full one.
+
+Shared definitions (the docs call them by these names):
+
+``load``
+    The agent's own ``in_flight`` plus the engine's ``waiting`` from telemetry.  When a node's
+    telemetry is unknown (``None``), its ``waiting`` is taken to be the largest ``waiting`` among
+    the candidates whose telemetry is known (0 when none is known): an unscraped node is never
+    assumed idle, and on equal load a node with known telemetry wins.
+``warm``
+    ``slow_start`` clamped to ``[slow_start_floor, 1]``: the share of full traffic a node that
+    is warming up should get.
+``share``
+    ``warm``, times ``probation_share`` for a node on probation (half-open after an ejection).
+    Probation nodes also have one slot only (:attr:`NodeView.has_slot`).
+``capacity``
+    ``weight * share``: the node's relative share of traffic.
+``effective load``
+    ``(load + 1) / capacity``: the load the node would have after taking this request, per unit
+    of capacity (as Envoy's and nginx's least-request balancers do with weights).  Ties go to a
+    healthy node over a probation node, then to known telemetry over unknown, then to ``rng``.
+
+Policies keep small state (a rotation, a hash ring, a prefix index) and are deterministic given
+the sequence of calls, their inputs and ``rng``.  ``choose`` advances rotations; the prefix index
+learns only from ``observe_routed``.  Policies do not log: the shell logs ``Decision.reason``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Final, Protocol
+
+from policies.model import Decision, Health, NodeId, NodeView, RequestView
+from policies.prefix_index import PrefixIndex
+
+NAMES: Final[tuple[str, ...]] = (
+    "round_robin",
+    "random",
+    "least_connections",
+    "least_tokens",
+    "power_of_two",
+    "jsq",
+    "kv_aware",
+    "prefix_aware",
+    "session",
+    "weighted",
+    "meridian",
+)
+
+_MIN_WEIGHT: Final = 1e-6  # NodeView.weight must be > 0; a bad one must not divide by zero
+_TIE: Final = 1e-9  # meridian scores closer than this are ties
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingConfig:
+    """Every routing tunable, with its unit and default.  Out-of-range values raise ValueError."""
+
+    # prefix index (prefix_aware, meridian)
+    prefix_capacity_blocks: int = 200_000
+    """Most block hashes the prefix index keeps (LRU).  An H100 with Llama-3-8B caches about
+    28k 16-token blocks, so 200k covers about seven such nodes' whole caches; each entry
+    costs the agent about 0.33 KiB (65 MiB at this default)."""
+    prefix_ttl_s: float = 120.0
+    """A node's claim on a block older than this is ignored (peers evict every 60-120 s)."""
+
+    # load guard (prefix_aware)
+    balance_abs_threshold_requests: int = 16
+    """The guard fires only when the prefix node's load exceeds the least-loaded node's by more
+    than this many requests (a quarter of a node's default 64 slots; peers use 64, but they
+    cap nothing per node, and 64 would never fire under a 64-slot cap)."""
+    balance_rel_threshold: float = 1.5
+    """...and by more than this factor (the peers' default)."""
+    affinity_keep_tokens: int = 2048
+    """A matched prefix at least this long keeps affinity even when the guard would fire:
+    2k tokens are about 40-50 ms of H100 prefill for an 8B model, several decode steps, and
+    the conversation's next turns will hit the same node again.  A starting point; tune it
+    with the routing benchmark."""
+
+    # kv_aware, meridian
+    kv_high_watermark: float = 0.9
+    """KV-cache use (0..1) at and above which a node risks preemption and prefix eviction."""
+
+    # session
+    session_vnodes_per_node: int = 100
+    """Points per node on the consistent-hash ring; a node's share of keys varies by about
+    ``1 / sqrt(points)``, so ±10 % at 100."""
+    session_load_bound_factor: float = 1.25
+    """``c = 1 + epsilon`` of consistent hashing with bounded loads (Mirrokni et al. 2016): a
+    key moves on from a node holding ``ceil(c * (in-flight + 1) * capacity / total capacity)``
+    requests, so no node holds more than 125 % of its fair share, rounded up."""
+
+    # slow start and probation (every policy)
+    slow_start_floor: float = 0.05
+    """Least ``warm`` a node gets, so a node admitted at ``slow_start`` 0 still takes a trickle."""
+    probation_share: float = 0.5
+    """Traffic share of a node on probation relative to a healthy one (it has one slot too)."""
+
+    # meridian: cost = sum of weighted terms, lowest wins (see docs/routing-policies.md)
+    meridian_prefix_weight: float = 1.0
+    """Credit for a whole prompt cached on the node (scaled by the fraction cached)."""
+    meridian_queue_weight: float = 4.0
+    """Cost of a node full to its slots; with the prefix weight 1.0, a whole cached prompt is
+    worth a quarter of a node's slots, the same balance as the load guard."""
+    meridian_kv_weight: float = 0.5
+    """Cost per unit of ``kv_util``; doubled at and above ``kv_high_watermark``."""
+    meridian_tokens_weight: float = 0.5
+    """Cost of the node with the most tokens in flight per unit of capacity."""
+    meridian_probation_penalty: float = 0.5
+    """Cost of being on probation: worth about 8 requests in flight at 64 slots."""
+    meridian_unknown_penalty: float = 0.5
+    """Cost of unknown telemetry, standing in for the unknown queue and KV terms."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float | int) and value < 0:
+                raise ValueError(f"RoutingConfig.{f.name} must not be negative; got {value}")
+        if self.prefix_capacity_blocks < 1:
+            raise ValueError("RoutingConfig.prefix_capacity_blocks must be at least 1")
+        if self.prefix_ttl_s <= 0:
+            raise ValueError("RoutingConfig.prefix_ttl_s must be positive")
+        if self.balance_rel_threshold < 1:
+            raise ValueError("RoutingConfig.balance_rel_threshold must be at least 1")
+        if not 0 < self.kv_high_watermark <= 1:
+            raise ValueError("RoutingConfig.kv_high_watermark must be in (0, 1]")
+        if self.session_vnodes_per_node < 1:
+            raise ValueError("RoutingConfig.session_vnodes_per_node must be at least 1")
+        if self.session_load_bound_factor < 1:
+            raise ValueError("RoutingConfig.session_load_bound_factor must be at least 1")
+        if not 0 < self.slow_start_floor <= 1:
+            raise ValueError("RoutingConfig.slow_start_floor must be in (0, 1]")
+        if not 0 < self.probation_share <= 1:
+            raise ValueError("RoutingConfig.probation_share must be in (0, 1]")
+
+
+class Policy(Protocol):
+    """A routing policy; :func:`create` makes one by name."""
+
+    name: str
+
+    def choose(
+        self,
+        request: RequestView,
+        nodes: Sequence[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        """The node for ``request`` among ``nodes``, or ``node=None`` with the reason."""
+        ...
+
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        """``request`` was sent to ``node`` (feeds the prefix index)."""
+        ...
+
+    def forget_node(self, node: NodeId) -> None:
+        """``node`` left the pool: drop what the policy knows of it."""
+        ...
+
+
+def create(name: str, config: RoutingConfig) -> Policy:
+    """A fresh policy called ``name`` (one of :data:`NAMES`)."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; valid: {', '.join(NAMES)}")
+    return factory(config)
+
+
+def candidates(request: RequestView, nodes: Sequence[NodeView]) -> list[NodeView]:
+    """The nodes that may take ``request`` now, in the given order."""
+    return [n for n in nodes if n.routable and request.model in n.models and n.has_slot]
+
+
+# --- shared helpers -------------------------------------------------------------------------
+
+
+def _no_candidates(request: RequestView, nodes: Sequence[NodeView]) -> Decision:
+    serving = [n for n in nodes if request.model in n.models]
+    if not serving:
+        return Decision(node=None, reason=f"no node serves model {request.model!r}")
+    routable = [n for n in serving if n.routable]
+    if not routable:
+        return Decision(
+            node=None,
+            reason=f"all {len(serving)} nodes serving {request.model!r} are draining or unhealthy",
+        )
+    return Decision(
+        node=None,
+        reason=f"all {len(routable)} routable nodes serving {request.model!r} have full slots",
+    )
+
+
+def _warm(node: NodeView, config: RoutingConfig) -> float:
+    return min(1.0, max(node.slow_start, config.slow_start_floor))
+
+
+def _share(node: NodeView, config: RoutingConfig) -> float:
+    probation = config.probation_share if node.health is Health.PROBATION else 1.0
+    return _warm(node, config) * probation
+
+
+def _capacity(node: NodeView, config: RoutingConfig) -> float:
+    return max(node.weight, _MIN_WEIGHT) * _share(node, config)
+
+
+def _loads(nodes: Sequence[NodeView]) -> list[int]:
+    """``load`` of each node (see the module docstring for unknown telemetry)."""
+    known = [n.telemetry.waiting for n in nodes if n.telemetry is not None]
+    unknown_waiting = max(known, default=0)
+    return [
+        n.in_flight + (unknown_waiting if n.telemetry is None else n.telemetry.waiting)
+        for n in nodes
+    ]
+
+
+def _argmin(keys: Sequence[tuple[float, ...]], rng: random.Random) -> int:
+    """Index of the smallest key; equal smallest keys are broken by ``rng``."""
+    best = min(keys)
+    tied = [i for i, k in enumerate(keys) if k == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _load_keys(
+    nodes: Sequence[NodeView], loads: Sequence[int], config: RoutingConfig
+) -> list[tuple[float, ...]]:
+    return [
+        (
+            (load + 1) / _capacity(n, config),
+            float(n.health is Health.PROBATION),
+            float(n.telemetry is None),
+        )
+        for n, load in zip(nodes, loads, strict=True)
+    ]
+
+
+def _least_loaded(
+    nodes: Sequence[NodeView], config: RoutingConfig, rng: random.Random
+) -> tuple[NodeView, int]:
+    """The node of least effective load among ``nodes``, and its ``load``."""
+    loads = _loads(nodes)
+    i = _argmin(_load_keys(nodes, loads, config), rng)
+    return nodes[i], loads[i]
+
+
+def _kv(node: NodeView) -> str:
+    return "?" if node.telemetry is None else f"{node.telemetry.kv_util:.0%}"
+
+
+# --- policies -------------------------------------------------------------------------------
+
+
+class _Base:
+    """Narrows to candidates, then asks :meth:`_choose`; no state unless a subclass keeps some."""
+
+    name: str = ""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        self._config = config
+
+    def choose(
+        self,
+        request: RequestView,
+        nodes: Sequence[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        ready = candidates(request, nodes)
+        if not ready:
+            return _no_candidates(request, nodes)
+        return self._choose(request, ready, now=now, rng=rng)
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        raise NotImplementedError
+
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        return None
+
+    def forget_node(self, node: NodeId) -> None:
+        return None
+
+
+class _Rotation(_Base):
+    """Smooth weighted round robin, as nginx does it (``round_robin``: every weight 1).
+
+    Each pick adds every candidate's weight to its running score, takes the highest score
+    (ties in ``node_id`` order) and subtracts the candidates' total weight from the winner.
+    Weights are ``weight * share`` (``weighted``) or ``share`` (``round_robin``), so warming and
+    probation nodes take their turn less often.  Nodes that are not candidates keep their score.
+    """
+
+    def __init__(self, config: RoutingConfig, *, use_weight: bool) -> None:
+        super().__init__(config)
+        self.name = "weighted" if use_weight else "round_robin"
+        self._use_weight = use_weight
+        self._scores: dict[NodeId, float] = {}
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        ordered = sorted(ready, key=lambda n: n.node_id)
+        get = _capacity if self._use_weight else _share
+        weights = [get(n, self._config) for n in ordered]
+        scores = self._scores
+        best_i, best_score = 0, -math.inf
+        for i, (n, w) in enumerate(zip(ordered, weights, strict=True)):
+            score = scores.get(n.node_id, 0.0) + w
+            scores[n.node_id] = score
+            if score > best_score:
+                best_i, best_score = i, score
+        best = ordered[best_i]
+        scores[best.node_id] = best_score - sum(weights)
+        if self._use_weight:
+            reason = f"weighted: share {weights[best_i] / sum(weights):.0%}"
+        else:
+            reason = "round robin"
+        return Decision(node=best.node_id, reason=reason)
+
+    def forget_node(self, node: NodeId) -> None:
+        self._scores.pop(node, None)
+
+
+class _Random(_Base):
+    """Uniform over candidates, each weighted by its ``share`` (warming nodes less often)."""
+
+    name = "random"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        (pick,) = rng.choices(ready, weights=[_share(n, self._config) for n in ready])
+        return Decision(node=pick.node_id, reason="random")
+
+
+class _LeastConnections(_Base):
+    """Least ``(in_flight + 1) / capacity``: the agent's own count, no telemetry."""
+
+    name = "least_connections"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        keys = [
+            ((n.in_flight + 1) / _capacity(n, self._config), float(n.health is Health.PROBATION))
+            for n in ready
+        ]
+        pick = ready[_argmin(keys, rng)]
+        return Decision(node=pick.node_id, reason=f"least connections: {pick.in_flight} in flight")
+
+
+class _LeastTokens(_Base):
+    """Least ``(in_flight_tokens + this request's tokens) / capacity``; no telemetry."""
+
+    name = "least_tokens"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        tokens = request.prompt_tokens + request.max_tokens
+        keys = [
+            (
+                (n.in_flight_tokens + tokens) / _capacity(n, self._config),
+                float(n.health is Health.PROBATION),
+            )
+            for n in ready
+        ]
+        pick = ready[_argmin(keys, rng)]
+        return Decision(
+            node=pick.node_id, reason=f"least tokens: {pick.in_flight_tokens} tokens in flight"
+        )
+
+
+class _PowerOfTwo(_Base):
+    """Two candidates sampled with ``rng``; the lower effective load wins (the first on a tie)."""
+
+    name = "power_of_two"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        if len(ready) == 1:
+            return Decision(node=ready[0].node_id, reason="power of two: only candidate")
+        loads = _loads(ready)
+        keys = _load_keys(ready, loads, self._config)
+        a, b = rng.sample(range(len(ready)), 2)
+        win, lose = (b, a) if keys[b] < keys[a] else (a, b)
+        return Decision(
+            node=ready[win].node_id,
+            reason=f"power of two: load {loads[win]} vs {loads[lose]}",
+        )
+
+
+class _JoinShortestQueue(_Base):
+    """Least effective load over every candidate; ties by ``rng``."""
+
+    name = "jsq"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        pick, load = _least_loaded(ready, self._config, rng)
+        return Decision(node=pick.node_id, reason=f"jsq: shortest queue, load {load}")
+
+
+class _KvAware(_Base):
+    """Least effective load in the best tier of KV use.
+
+    Tiers: known ``kv_util`` below ``kv_high_watermark``; then unknown telemetry; then at or above
+    the watermark (only when every candidate is).  ``load`` is computed over all candidates.
+    """
+
+    name = "kv_aware"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        watermark = self._config.kv_high_watermark
+
+        def tier(n: NodeView) -> int:
+            if n.telemetry is None:
+                return 1
+            return 0 if n.telemetry.kv_util < watermark else 2
+
+        tiers = [tier(n) for n in ready]
+        top = min(tiers)
+        loads = _loads(ready)
+        keys = _load_keys(ready, loads, self._config)
+        idx = [i for i, t in enumerate(tiers) if t == top]
+        i = idx[_argmin([keys[i] for i in idx], rng)]
+        pick = ready[i]
+        if top == 0:
+            skipped = sum(1 for t in tiers if t > 0)
+            why = f"kv {_kv(pick)} below {watermark:.0%}"
+            if skipped:
+                why += f", {skipped} fuller or unknown skipped"
+        elif top == 1:
+            why = "kv unknown; none known below watermark"
+        else:
+            why = f"every node at or above {watermark:.0%} kv"
+        return Decision(node=pick.node_id, reason=f"kv aware: {why}, load {loads[i]}")
+
+
+class _Session(_Base):
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2016).
+
+    The ring holds ``session_vnodes_per_node`` points per node of the pool, at
+    ``blake2b(f"{node_id}#{i}")``.  A request walks clockwise from ``blake2b(session_key)`` to
+    the first candidate whose ``in_flight`` is below its bound
+    ``ceil(c * (m + 1) * capacity / total capacity)``, where ``m`` is the candidates' total
+    ``in_flight`` and ``c`` is ``session_load_bound_factor``: with equal capacities this is
+    ``ceil(c * (m + 1) / n)``.  The bounds add up to more than ``m``, so some candidate is always
+    below its own.  A request without a key goes to the least effective load.
+    """
+
+    name = "session"
+
+    def __init__(self, config: RoutingConfig) -> None:
+        super().__init__(config)
+        self._ring_for: frozenset[NodeId] = frozenset()
+        self._points: list[int] = []
+        self._owners: list[NodeId] = []
+
+    def choose(
+        self,
+        request: RequestView,
+        nodes: Sequence[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        ready = candidates(request, nodes)
+        if not ready:
+            return _no_candidates(request, nodes)
+        if request.session_key is None:
+            pick, load = _least_loaded(ready, self._config, rng)
+            return Decision(node=pick.node_id, reason=f"session: no key, least load {load}")
+        self._build_ring(nodes)
+        by_id = {n.node_id: n for n in ready}
+        total_in_flight = sum(n.in_flight for n in ready)
+        total_capacity = sum(_capacity(n, self._config) for n in ready)
+        factor = self._config.session_load_bound_factor * (total_in_flight + 1) / total_capacity
+        start = bisect.bisect_left(self._points, _hash64(request.session_key))
+        home: NodeId | None = None
+        seen: set[NodeId] = set()
+        size = len(self._owners)
+        for step in range(size):
+            owner = self._owners[(start + step) % size]
+            node = by_id.get(owner)
+            if node is None or owner in seen:
+                continue
+            seen.add(owner)
+            if home is None:
+                home = owner
+            bound = math.ceil(factor * _capacity(node, self._config))
+            if node.in_flight < bound:
+                if owner == home:
+                    reason = "session: sticky node"
+                else:
+                    reason = f"session: {home} at its load bound, next on the ring"
+                return Decision(node=owner, reason=reason)
+        # Unreachable while c >= 1 (the bounds exceed m); kept so a float slip cannot fail.
+        pick, load = _least_loaded(ready, self._config, rng)
+        return Decision(node=pick.node_id, reason=f"session: all at bound, least load {load}")
+
+    def _build_ring(self, nodes: Sequence[NodeView]) -> None:
+        ids = frozenset(n.node_id for n in nodes)
+        if ids == self._ring_for:
+            return
+        points = sorted(
+            (_hash64(f"{node_id}#{i}"), node_id)
+            for node_id in ids
+            for i in range(self._config.session_vnodes_per_node)
+        )
+        self._ring_for = ids
+        self._points = [p for p, _ in points]
+        self._owners = [o for _, o in points]
+
+    def forget_node(self, node: NodeId) -> None:
+        if node in self._ring_for:
+            self._ring_for = frozenset()  # rebuilt on the next request
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+class _Indexed(_Base):
+    """A policy that learns where prompts went in a :class:`PrefixIndex`."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        super().__init__(config)
+        self._index = PrefixIndex(
+            capacity_blocks=config.prefix_capacity_blocks, ttl_s=config.prefix_ttl_s
+        )
+
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        self._index.insert(request.block_hashes, node, now=now)
+
+    def forget_node(self, node: NodeId) -> None:
+        self._index.remove_node(node)
+
+    def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:
+        """Leading cached blocks of the request's prompt on each candidate."""
+        if not request.block_hashes:
+            return [0] * len(ready)
+        matched = self._index.match(request.block_hashes, now=now)
+        return [matched.get(n.node_id, 0) for n in ready]
+
+
+class _PrefixAware(_Indexed):
+    """Longest cached prefix, with a load guard that never drops long affinity.
+
+    The node matching the most leading blocks wins (least effective load among equals).  The
+    guard: when that node's ``load`` exceeds the least-loaded candidate's by more than
+    ``balance_abs_threshold_requests`` *and* by more than ``balance_rel_threshold`` times, the
+    request goes to the least-loaded candidate instead, unless the match is at least
+    ``affinity_keep_tokens`` long.  The guard decides request by request; it never switches the
+    whole router to shortest-queue as sglang's cache_aware does.
+    """
+
+    name = "prefix_aware"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        cfg = self._config
+        matches = self._matches(request, ready, now)
+        longest = max(matches)
+        loads = _loads(ready)
+        keys = _load_keys(ready, loads, cfg)
+        least = _argmin(keys, rng)
+        if longest == 0:
+            why = "no prompt blocks" if not request.block_hashes else "no cached prefix"
+            return Decision(
+                node=ready[least].node_id, reason=f"prefix: {why}, least load {loads[least]}"
+            )
+        longest_idx = [i for i, m in enumerate(matches) if m == longest]
+        best = longest_idx[_argmin([keys[i] for i in longest_idx], rng)]
+        hit_tokens = longest * request.block_tokens
+        imbalanced = (
+            loads[best] - loads[least] > cfg.balance_abs_threshold_requests
+            and loads[best] > cfg.balance_rel_threshold * loads[least]
+        )
+        if not imbalanced:
+            return Decision(
+                node=ready[best].node_id,
+                reason=f"prefix: longest cached prefix, {longest} blocks",
+                expected_hit_tokens=hit_tokens,
+            )
+        if hit_tokens >= cfg.affinity_keep_tokens:
+            return Decision(
+                node=ready[best].node_id,
+                reason=(
+                    f"prefix: kept affinity, {hit_tokens} cached tokens worth the wait"
+                    f" (load {loads[best]} vs {loads[least]})"
+                ),
+                expected_hit_tokens=hit_tokens,
+            )
+        return Decision(
+            node=ready[least].node_id,
+            reason=f"prefix: load guard, load {loads[best]} vs {loads[least]}; least load",
+            expected_hit_tokens=matches[least] * request.block_tokens,
+        )
+
+
+class _Meridian(_Indexed):
+    """The default: the candidate of lowest cost wins; equal costs are broken by ``rng``.
+
+    For a candidate ``n``, with ``warm`` as in the module docstring, and ``waiting`` and
+    ``kv_util`` taken as 0 when telemetry is unknown (the unknown penalty stands in for them)::
+
+        cost(n) = - W_prefix    * matched_blocks(n) / len(block_hashes)   (0 without blocks)
+                  + W_queue     * (in_flight(n) + waiting(n) + 1) / (slots(n) * warm(n))
+                  + W_kv        * (kv_util(n) + [kv_util(n) >= kv_high_watermark])
+                  + W_tokens    * tok(n) / max(tok(k) for every candidate k)
+                  + W_probation * [health(n) is PROBATION]
+                  + W_unknown   * [telemetry(n) is None]
+
+        tok(n) = (in_flight_tokens(n) + prompt_tokens + max_tokens) / (weight(n) * warm(n))
+
+    ``[x]`` is 1 when ``x`` holds, else 0; ``matched_blocks`` is the node's leading match in the
+    prefix index.
+
+    The weights are ``RoutingConfig.meridian_*``; docs/routing-policies.md says why the defaults.
+    """
+
+    name = "meridian"
+
+    def _choose(
+        self,
+        request: RequestView,
+        ready: list[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        cfg = self._config
+        matches = self._matches(request, ready, now)
+        blocks = len(request.block_hashes)
+        request_tokens = request.prompt_tokens + request.max_tokens
+        warm = [_warm(n, cfg) for n in ready]
+        tok = [
+            (n.in_flight_tokens + request_tokens) / (max(n.weight, _MIN_WEIGHT) * w)
+            for n, w in zip(ready, warm, strict=True)
+        ]
+        tok_max = max(max(tok), 1e-12)
+        costs: list[float] = []
+        for n, w, matched, t in zip(ready, warm, matches, tok, strict=True):
+            telemetry = n.telemetry
+            waiting = 0 if telemetry is None else telemetry.waiting
+            kv = 0.0 if telemetry is None else telemetry.kv_util
+            cost = (
+                -cfg.meridian_prefix_weight * (matched / blocks if blocks else 0.0)
+                + cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (max(n.slots, 1) * w)
+                + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0))
+                + cfg.meridian_tokens_weight * t / tok_max
+                + cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
+                + cfg.meridian_unknown_penalty * (telemetry is None)
+            )
+            costs.append(cost)
+        lowest = min(costs)
+        tied = [i for i, c in enumerate(costs) if c <= lowest + _TIE]
+        i = tied[0] if len(tied) == 1 else rng.choice(tied)
+        pick = ready[i]
+        queued = "?" if pick.telemetry is None else str(pick.telemetry.waiting)
+        hit = f"{matches[i] / blocks:.0%}" if blocks else "n/a"
+        return Decision(
+            node=pick.node_id,
+            reason=(
+                f"meridian: prefix {hit}, in flight {pick.in_flight}/{pick.slots},"
+                f" waiting {queued}, kv {_kv(pick)}"
+            ),
+            expected_hit_tokens=matches[i] * request.block_tokens,
+        )
+
+
+_FACTORIES: Final[dict[str, Callable[[RoutingConfig], Policy]]] = {
+    "round_robin": lambda c: _Rotation(c, use_weight=False),
+    "random": _Random,
+    "least_connections": _LeastConnections,
+    "least_tokens": _LeastTokens,
+    "power_of_two": _PowerOfTwo,
+    "jsq": _JoinShortestQueue,
+    "kv_aware": _KvAware,
+    "prefix_aware": _PrefixAware,
+    "session": _Session,
+    "weighted": lambda c: _Rotation(c, use_weight=True),
+    "meridian": _Meridian,
+}

@@ -1,0 +1,189 @@
+"""The agent's health shell: probes every node's ``/health``, takes every upstream attempt's
+outcome from the proxy, and answers ``NodePool``'s health questions from the pure state machine
+in ``policies.health``.
+
+* :meth:`HealthMonitor.run` probes all nodes concurrently every ``probe_interval_s``
+  (:meth:`~HealthMonitor.probe_once` is one round); a probe is good when ``/health`` answers
+  2xx within ``probe_timeout_s``.  After the probes, each round applies the changes time alone
+  makes (an ejection's time is up: PROBATION) and the pool's latency-outlier comparison.
+* :meth:`HealthMonitor.record` is called by the proxy for every attempt: ok with its time to
+  first token (``None`` when not streamed), or failed (connect error, 5xx, timeout, garbage).
+* Every change of state is logged once with its reason (``node=... state=ejected reason=...``)
+  and wakes waiting requests through :meth:`NodePool.notify`.  An ejection that the pool's cap
+  refuses is logged once as well.
+
+Nodes met before the first probe round has finished are taken as warm (no slow start: a fresh
+agent must not throttle a fleet that has been serving); nodes added later ramp up.  A node the
+monitor has not met yet is HEALTHY until probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from policies import health
+from policies.model import Health, NodeId
+from regional_agent.clock import Clock
+from regional_agent.errors import UpstreamError
+from regional_agent.nodes import Node, NodePool
+from regional_agent.settings import HealthSettings
+from regional_agent.upstream.client import NodeClient
+
+log = logging.getLogger(__name__)
+
+_BAD_NEWS = (Health.UNHEALTHY, Health.EJECTED)
+
+
+def config_from(settings: HealthSettings) -> health.HealthConfig:
+    """The policy's view of the agent's health settings."""
+    return health.HealthConfig(
+        unhealthy_after=settings.unhealthy_after,
+        healthy_after=settings.healthy_after,
+        eject_consecutive_errors=settings.eject_consecutive_errors,
+        eject_base_s=settings.eject_base_s,
+        eject_max_s=settings.eject_max_s,
+        max_ejected_fraction=settings.max_ejected_fraction,
+        latency_outlier_factor=settings.latency_outlier_factor,
+        latency_outlier_min_s=settings.latency_outlier_min_s,
+        latency_min_samples=settings.latency_min_samples,
+        slow_start_s=settings.slow_start_s,
+    )
+
+
+class HealthMonitor:
+    """The pool's health source: ``pool.health = monitor``; run ``monitor.run()``."""
+
+    def __init__(
+        self, *, pool: NodePool, client: NodeClient, settings: HealthSettings, clock: Clock
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        self._settings = settings
+        self._clock = clock
+        self._tracker = health.Tracker(config_from(settings))
+        self._started = False  # True once the first probe round is done
+        self._sync(now=clock.now())
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        interval_s = self._settings.probe_interval_s
+        while True:
+            began = self._clock.now()
+            await self.probe_once()
+            elapsed_s = max(0.0, self._clock.now() - began)
+            await asyncio.sleep(max(0.0, interval_s - elapsed_s))
+
+    async def probe_once(self) -> None:
+        """One round: probe every node concurrently, then apply timed and pool-wide verdicts."""
+        nodes = list(self._pool)
+        outcomes = await asyncio.gather(*(self._probe(node) for node in nodes))
+        now = self._clock.now()
+        self._sync(now=now)
+        changes: list[health.Change] = []
+        for node, (ok, detail) in zip(nodes, outcomes, strict=True):
+            if node.node_id in self._tracker:  # else removed while its probe was in flight
+                changes += self._tracker.on_probe(node.node_id, ok, now=now, detail=detail)
+        changes += self._tracker.evaluate(now=now)
+        self._started = True
+        self._apply(changes)
+
+    async def _probe(self, node: Node) -> tuple[bool, str]:
+        try:
+            status = await self._client.probe(
+                node.node_id, node.endpoint("/health"), timeout_s=self._settings.probe_timeout_s
+            )
+        except UpstreamError as exc:
+            return False, f"unreachable: {exc.message}"
+        if 200 <= status < 300:
+            return True, f"HTTP {status}"
+        return False, f"HTTP {status}"
+
+    # -- what the proxy reports ----------------------------------------------------------------
+
+    def record(self, node_id: NodeId, *, ok: bool, ttft_s: float | None, now: float) -> None:
+        """One upstream attempt on ``node_id``: ok (with its time to first token when streamed)
+        or failed (connect error, 5xx, timeout, garbage)."""
+        if node_id not in self._pool:
+            return  # removed while the request was in flight
+        if ok:
+            self._track(node_id, now=now)
+        else:
+            self._sync(now=now)  # the ejection cap counts the whole pool
+        self._apply(self._tracker.on_result(node_id, ok, ttft_s=ttft_s, now=now))
+
+    # -- NodePool's questions ------------------------------------------------------------------
+
+    def state(self, node_id: NodeId, *, now: float) -> Health:
+        node = self._known(node_id, now=now)
+        return Health.HEALTHY if node is None else node.state(now)
+
+    def slow_start(self, node_id: NodeId, *, now: float) -> float:
+        node = self._known(node_id, now=now)
+        return 1.0 if node is None else node.slow_start(now)
+
+    def describe(self, node_id: NodeId, *, now: float) -> dict[str, object]:
+        """State, reason, since, ejections, ejected_until, consecutive failures, TTFT stats."""
+        node = self._known(node_id, now=now)
+        if node is None:
+            return {
+                "state": Health.HEALTHY.value,
+                "reason": "not tracked: healthy until probed",
+                "since": None,
+                "ejections": 0,
+                "ejected_until": None,
+                "consecutive_failures": 0,
+                "consecutive_probe_failures": 0,
+                "consecutive_probe_successes": 0,
+                "slow_start": 1.0,
+                "ttft_samples": 0,
+                "ttft_median_s": None,
+            }
+        return node.describe(now)
+
+    def forget(self, node_id: NodeId) -> None:
+        self._tracker.forget(node_id)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _track(self, node_id: NodeId, *, now: float) -> health.NodeHealth:
+        return self._tracker.track(node_id, now=now, warm=not self._started)
+
+    def _sync(self, *, now: float) -> None:
+        """Track exactly the pool's nodes (a node removed without ``forget`` is dropped)."""
+        for tracked in self._tracker:
+            if tracked.node_id not in self._pool:
+                self._tracker.forget(tracked.node_id)
+        for node in self._pool:
+            self._track(node.node_id, now=now)
+
+    def _known(self, node_id: NodeId, *, now: float) -> health.NodeHealth | None:
+        node = self._tracker.get(node_id)
+        if node is None and node_id in self._pool:
+            node = self._track(node_id, now=now)
+        return node
+
+    def _apply(self, changes: list[health.Change]) -> None:
+        moved = False
+        for change in changes:
+            if change.changed:
+                moved = True
+                level = logging.WARNING if change.after in _BAD_NEWS else logging.INFO
+                log.log(
+                    level,
+                    'node health changed node=%s state=%s previous=%s reason="%s"',
+                    change.node_id,
+                    change.after.value,
+                    change.before.value,
+                    change.reason,
+                )
+            else:
+                log.warning(
+                    'node ejection refused node=%s state=%s reason="%s"',
+                    change.node_id,
+                    change.after.value,
+                    change.reason,
+                )
+        if moved:
+            self._pool.notify()

@@ -1,0 +1,358 @@
+"""The health monitor against real simulated nodes on loopback.
+
+Probes are real ``GET /health`` requests, driven one round at a time with ``probe_once``;
+faults are injected through the simulator's ``/admin/faults``.  Time is a fake clock the test
+sets, so ejection and slow-start times never depend on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from policies.model import Health, NodeId
+from regional_agent.clock import MonotonicClock
+from regional_agent.health import HealthMonitor
+from regional_agent.nodes import Node, NodePool
+from regional_agent.settings import HealthSettings
+from regional_agent.upstream.client import NodeClient
+from tests.conftest import NodeFactory
+from tests.support.ports import free_port
+
+MONITOR_LOG = "regional_agent.health.monitor"
+SETTINGS = HealthSettings(
+    probe_interval_s=0.05,
+    probe_timeout_s=1.0,
+    unhealthy_after=2,
+    healthy_after=2,
+    eject_consecutive_errors=5,
+    eject_base_s=30.0,
+    eject_max_s=300.0,
+    max_ejected_fraction=0.5,
+    latency_outlier_factor=3.0,
+    latency_outlier_min_s=0.5,
+    latency_min_samples=5,
+    slow_start_s=30.0,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[NodeClient]:
+    c = NodeClient(connect_timeout_s=1, first_byte_timeout_s=5, read_timeout_s=5)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+class Notified:
+    def __init__(self, pool: NodePool) -> None:
+        self.count = 0
+        pool.subscribe(self._bump)
+
+    def _bump(self) -> None:
+        self.count += 1
+
+
+Setup = tuple[NodePool, HealthMonitor, list[NodeId], list[str]]
+SetupFactory = Callable[..., Awaitable[Setup]]
+
+
+@pytest.fixture
+def make_monitor(sim_node: NodeFactory, client: NodeClient, clock: FakeClock) -> SetupFactory:
+    """``pool, monitor, ids, urls = await make_monitor(n)``: n sim nodes in a fresh pool."""
+
+    async def make(n: int, *, settings: HealthSettings = SETTINGS) -> Setup:
+        pool = NodePool()
+        urls = [await sim_node(profile_name="cpu-tiny", time_scale=20, seed=i) for i in range(n)]
+        ids = [NodeId(f"node-{i}") for i in range(n)]
+        for node_id, url in zip(ids, urls, strict=True):
+            pool.add(Node(node_id=node_id, url=url))
+        monitor = HealthMonitor(pool=pool, client=client, settings=settings, clock=clock)
+        pool.health = monitor
+        return pool, monitor, ids, urls
+
+    return make
+
+
+async def _faults(url: str, body: dict[str, object] | None) -> None:
+    async with aiohttp.ClientSession() as session:
+        if body is None:
+            async with session.delete(f"{url}/admin/faults") as r:
+                assert r.status == 200
+        else:
+            async with session.post(f"{url}/admin/faults", json=body) as r:
+                assert r.status == 200
+
+
+def _changes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == MONITOR_LOG]
+
+
+# -- active probes -----------------------------------------------------------------------------
+
+
+async def test_failing_health_makes_a_node_unhealthy_and_it_comes_back_slowly(
+    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=MONITOR_LOG)
+    pool, monitor, (sick, well), (url, _) = await make_monitor(2)
+    notified = Notified(pool)
+    await monitor.probe_once()
+    assert monitor.state(sick, now=clock.now()) is Health.HEALTHY
+    assert monitor.slow_start(sick, now=clock.now()) == 1.0  # healthy at start-up: no ramp
+    assert notified.count == 0
+
+    await _faults(url, {"fail_health": True})
+    for round_ in range(1, SETTINGS.unhealthy_after + 1):
+        clock.t += 1
+        await monitor.probe_once()
+        expected = Health.UNHEALTHY if round_ == SETTINGS.unhealthy_after else Health.HEALTHY
+        assert monitor.state(sick, now=clock.now()) is expected
+    assert monitor.state(well, now=clock.now()) is Health.HEALTHY
+    assert notified.count == 1
+    view = monitor.describe(sick, now=clock.now())
+    assert view["state"] == "unhealthy"
+    assert view["reason"] == "2 consecutive failed probes (HTTP 503)"
+    assert [v.health for v in pool.views(now=clock.now())] == [Health.UNHEALTHY, Health.HEALTHY]
+    assert _changes(caplog) == [
+        "node health changed node=node-0 state=unhealthy previous=healthy "
+        'reason="2 consecutive failed probes (HTTP 503)"'
+    ]
+
+    await _faults(url, None)
+    for round_ in range(1, SETTINGS.healthy_after + 1):
+        clock.t += 1
+        await monitor.probe_once()
+        expected = Health.HEALTHY if round_ == SETTINGS.healthy_after else Health.UNHEALTHY
+        assert monitor.state(sick, now=clock.now()) is expected
+    assert notified.count == 2
+    assert monitor.slow_start(sick, now=clock.now()) == pytest.approx(0.1)
+    assert 0.1 < monitor.slow_start(sick, now=clock.now() + 15) < 1.0
+    assert monitor.slow_start(sick, now=clock.now() + SETTINGS.slow_start_s) == 1.0
+    assert pool.views(now=clock.now())[0].slow_start == pytest.approx(0.1)
+    assert _changes(caplog)[-1] == (
+        "node health changed node=node-0 state=healthy previous=unhealthy "
+        'reason="2 consecutive good probes"'
+    )
+
+
+async def test_a_closed_port_is_unhealthy(make_monitor: SetupFactory, clock: FakeClock) -> None:
+    pool, monitor, _, _ = await make_monitor(1)
+    dead = NodeId("dead")
+    pool.add(Node(node_id=dead, url=f"http://127.0.0.1:{free_port()}"))
+    await monitor.probe_once()
+    assert monitor.state(dead, now=clock.now()) is Health.HEALTHY  # one failure is not enough
+    clock.t += 1
+    await monitor.probe_once()
+    assert monitor.state(dead, now=clock.now()) is Health.UNHEALTHY
+    assert str(monitor.describe(dead, now=clock.now())["reason"]).startswith(
+        "2 consecutive failed probes (unreachable"
+    )
+    assert monitor.state(NodeId("node-0"), now=clock.now()) is Health.HEALTHY
+
+
+async def test_run_probes_on_its_own(sim_node: NodeFactory, client: NodeClient) -> None:
+    url = await sim_node(profile_name="cpu-tiny", time_scale=20)
+    pool = NodePool()
+    node_id = NodeId("n")
+    pool.add(Node(node_id=node_id, url=url))
+    clock = MonotonicClock()
+    monitor = HealthMonitor(pool=pool, client=client, settings=SETTINGS, clock=clock)
+    changed = asyncio.Event()
+    pool.subscribe(changed.set)
+    await _faults(url, {"fail_health": True})
+    task = asyncio.create_task(monitor.run())
+    try:
+        async with asyncio.timeout(10):
+            await changed.wait()
+        assert monitor.state(node_id, now=clock.now()) is Health.UNHEALTHY
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+# -- passive outlier detection -------------------------------------------------------------------
+
+
+async def test_failed_requests_eject_then_probation_then_healthy(
+    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=MONITOR_LOG)
+    pool, monitor, (bad, _, _), _ = await make_monitor(3)
+    notified = Notified(pool)
+    await monitor.probe_once()
+    for i in range(SETTINGS.eject_consecutive_errors):
+        assert monitor.state(bad, now=clock.now()) is Health.HEALTHY
+        monitor.record(bad, ok=False, ttft_s=None, now=clock.now() + i * 0.1)
+    assert monitor.state(bad, now=clock.now()) is Health.EJECTED
+    assert notified.count == 1
+    view = monitor.describe(bad, now=clock.now())
+    assert view["ejections"] == 1
+    assert view["ejected_until"] == pytest.approx(clock.now() + 0.4 + SETTINGS.eject_base_s)
+    assert view["reason"] == "5 consecutive failed requests; ejection #1 for 30 s"
+    assert not pool.views(now=clock.now())[0].routable
+
+    clock.t += SETTINGS.eject_base_s + 1  # the time is up; the next round reports it
+    await monitor.probe_once()  # /health passes all along: it does not end an ejection early
+    assert monitor.state(bad, now=clock.now()) is Health.PROBATION
+    assert notified.count == 2
+    view_of = pool.views(now=clock.now())[0]
+    assert view_of.routable and view_of.health is Health.PROBATION
+    assert monitor.slow_start(bad, now=clock.now()) == pytest.approx(0.1)
+
+    monitor.record(bad, ok=True, ttft_s=0.05, now=clock.now())
+    assert monitor.state(bad, now=clock.now()) is Health.HEALTHY
+    assert notified.count == 3
+    assert monitor.slow_start(bad, now=clock.now()) == pytest.approx(0.1)
+    assert monitor.slow_start(bad, now=clock.now() + SETTINGS.slow_start_s) == 1.0
+    assert [m.split(" reason=")[0] for m in _changes(caplog)] == [
+        "node health changed node=node-0 state=ejected previous=healthy",
+        "node health changed node=node-0 state=probation previous=ejected",
+        "node health changed node=node-0 state=healthy previous=probation",
+    ]
+    assert [r.levelname for r in caplog.records if r.name == MONITOR_LOG] == [
+        "WARNING",
+        "INFO",
+        "INFO",
+    ]
+
+
+async def test_a_failure_in_probation_ejects_for_twice_as_long(
+    make_monitor: SetupFactory, clock: FakeClock
+) -> None:
+    _, monitor, (bad, _, _), _ = await make_monitor(3)
+    for _ in range(SETTINGS.eject_consecutive_errors):
+        monitor.record(bad, ok=False, ttft_s=None, now=clock.now())
+    clock.t += SETTINGS.eject_base_s
+    assert monitor.state(bad, now=clock.now()) is Health.PROBATION
+    monitor.record(bad, ok=False, ttft_s=None, now=clock.now())
+    view = monitor.describe(bad, now=clock.now())
+    assert view["state"] == "ejected"
+    assert view["ejections"] == 2
+    assert view["ejected_until"] == pytest.approx(clock.now() + 2 * SETTINGS.eject_base_s)
+
+
+async def test_a_latency_outlier_among_four_nodes_is_ejected(
+    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=MONITOR_LOG)
+    _, monitor, ids, _ = await make_monitor(4)
+    ttfts = dict(zip(ids, [0.20, 0.25, 0.22, 2.5], strict=True))
+    for _ in range(SETTINGS.latency_min_samples):
+        for node_id, ttft_s in ttfts.items():
+            monitor.record(node_id, ok=True, ttft_s=ttft_s, now=clock.now())
+    await monitor.probe_once()
+    states = [monitor.state(i, now=clock.now()) for i in ids]
+    assert states == [Health.HEALTHY] * 3 + [Health.EJECTED]
+    view = monitor.describe(ids[3], now=clock.now())
+    assert str(view["reason"]).startswith("latency outlier")
+    assert view["ttft_samples"] == 0  # judged on fresh samples once back
+    fast = monitor.describe(ids[0], now=clock.now())
+    assert fast["ttft_samples"] == SETTINGS.latency_min_samples
+    assert fast["ttft_median_s"] == pytest.approx(0.20)
+    (line,) = _changes(caplog)
+    assert 'state=ejected previous=healthy reason="latency outlier' in line
+
+
+async def test_the_cap_keeps_one_of_two_failing_nodes_in(
+    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=MONITOR_LOG)
+    pool, monitor, (a, b), _ = await make_monitor(2)
+    notified = Notified(pool)
+    for _ in range(SETTINGS.eject_consecutive_errors + 3):
+        monitor.record(a, ok=False, ttft_s=None, now=clock.now())
+        monitor.record(b, ok=False, ttft_s=None, now=clock.now())
+    assert monitor.state(a, now=clock.now()) is Health.EJECTED
+    assert monitor.state(b, now=clock.now()) is Health.HEALTHY
+    assert notified.count == 1  # a refusal changes nothing routing sees
+    assert monitor.describe(b, now=clock.now())["reason"] == (
+        "5 consecutive failed requests; kept in: the ejection cap is reached"
+    )
+    assert _changes(caplog) == [
+        "node health changed node=node-0 state=ejected previous=healthy "
+        'reason="5 consecutive failed requests; ejection #1 for 30 s"',
+        "node ejection refused node=node-1 state=healthy "
+        'reason="5 consecutive failed requests; kept in: the ejection cap is reached"',
+    ]
+
+
+# -- membership --------------------------------------------------------------------------------
+
+
+async def test_a_node_added_later_is_healthy_until_probed_and_ramps_up(
+    make_monitor: SetupFactory, sim_node: NodeFactory, clock: FakeClock
+) -> None:
+    pool, monitor, _, _ = await make_monitor(1)
+    await monitor.probe_once()  # start-up is over
+    late = NodeId("late")
+    pool.add(Node(node_id=late, url=await sim_node(profile_name="cpu-tiny", time_scale=20)))
+    assert monitor.state(late, now=clock.now()) is Health.HEALTHY
+    assert monitor.slow_start(late, now=clock.now()) == pytest.approx(0.1)
+    clock.t += 15
+    await monitor.probe_once()
+    assert monitor.state(late, now=clock.now()) is Health.HEALTHY
+    assert monitor.slow_start(late, now=clock.now()) == pytest.approx(0.55)
+
+
+async def test_unknown_and_forgotten_nodes(make_monitor: SetupFactory, clock: FakeClock) -> None:
+    pool, monitor, (node_id,), _ = await make_monitor(1)
+    ghost = NodeId("ghost")
+    monitor.record(ghost, ok=False, ttft_s=None, now=clock.now())  # not in the pool: ignored
+    assert monitor.state(ghost, now=clock.now()) is Health.HEALTHY
+    assert monitor.slow_start(ghost, now=clock.now()) == 1.0
+    assert monitor.describe(ghost, now=clock.now())["reason"] == (
+        "not tracked: healthy until probed"
+    )
+    for _ in range(SETTINGS.eject_consecutive_errors):
+        monitor.record(node_id, ok=False, ttft_s=None, now=clock.now())
+    assert monitor.state(node_id, now=clock.now()) is Health.EJECTED
+    pool.remove(node_id)
+    monitor.forget(node_id)
+    assert monitor.describe(node_id, now=clock.now())["state"] == "healthy"
+    assert set(monitor.describe(node_id, now=clock.now())) == {
+        "state",
+        "reason",
+        "since",
+        "ejections",
+        "ejected_until",
+        "consecutive_failures",
+        "consecutive_probe_failures",
+        "consecutive_probe_successes",
+        "slow_start",
+        "ttft_samples",
+        "ttft_median_s",
+    }
+
+
+async def test_a_probe_round_drops_nodes_removed_without_forget(
+    make_monitor: SetupFactory, clock: FakeClock
+) -> None:
+    pool, monitor, (kept, gone), _ = await make_monitor(2)
+    for _ in range(SETTINGS.eject_consecutive_errors):
+        monitor.record(gone, ok=False, ttft_s=None, now=clock.now())
+    assert monitor.state(gone, now=clock.now()) is Health.EJECTED
+    pool.remove(gone)
+    await monitor.probe_once()
+    assert monitor.describe(gone, now=clock.now())["reason"] == "not tracked: healthy until probed"
+    # the pool is one node now: its ejection is allowed (at least one always may be)
+    for _ in range(SETTINGS.eject_consecutive_errors):
+        monitor.record(kept, ok=False, ttft_s=None, now=clock.now())
+    assert monitor.state(kept, now=clock.now()) is Health.EJECTED

@@ -1,0 +1,147 @@
+"""policies.prefix_index: longest leading match, LRU bound, ttl, node removal."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies import prompt
+from policies.model import NodeId
+from policies.prefix_index import PrefixIndex
+
+A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
+
+
+def chain(*tokens: int) -> tuple[int, ...]:
+    """Chained hashes of one-token blocks, so ``chain(1, 2)`` is a prefix of ``chain(1, 2, 3)``."""
+    return prompt.block_hashes(tokens, block_size=1)
+
+
+def test_match_counts_leading_blocks_per_node() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60)
+    index.insert(chain(0, 1, 2, 3), A, now=0)
+    index.insert(chain(0, 1, 7), B, now=0)
+    assert index.match(chain(0, 1, 2, 9), now=1) == {A: 3, B: 2}
+    assert index.match(chain(0, 1, 7, 8), now=1) == {A: 2, B: 3}
+    assert index.match(chain(5, 1), now=1) == {}
+    assert index.match((), now=1) == {}
+
+
+def test_sharing_block_zero_is_not_a_hit_on_the_rest() -> None:
+    """Every Mooncake request shares block 0: a first-block router sees every node as a hit."""
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60)
+    index.insert(chain(0, 1, 2, 3, 4), A, now=0)
+    index.insert(chain(0, 5), B, now=0)
+    matched = index.match(chain(0, 5, 6), now=1)
+    assert matched == {A: 1, B: 2}
+    assert max(matched, key=matched.__getitem__) == B
+
+
+def test_a_node_must_hold_every_block_before_the_one_it_matches() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60)
+    hashes = (10, 11, 12)  # not chained: the index must still require blocks 0..i
+    index.insert(hashes[:1], A, now=0)
+    index.insert(hashes[1:], A, now=0)
+    index.insert(hashes[1:], B, now=0)
+    assert index.match(hashes, now=1) == {A: 3}
+
+
+def test_lru_evicts_the_least_recently_touched_and_keeps_shared_roots() -> None:
+    index = PrefixIndex(capacity_blocks=4, ttl_s=60)
+    first, second = chain(0, 1, 2), chain(0, 3, 4)
+    index.insert(first, A, now=0)
+    index.insert(second, B, now=1)  # 5 distinct blocks: the oldest tail (first's last) goes
+    assert len(index) == 4
+    assert index.match(first, now=2) == {A: 2, B: 1}
+    assert index.match(second, now=2) == {A: 1, B: 3}
+    index.insert(chain(9, 8), C, now=3)  # two more: first's block 1 and second's deepest go
+    assert len(index) == 4
+    assert index.match(first, now=4) == {A: 1, B: 1}
+    assert index.match(second, now=4) == {A: 1, B: 2}
+
+
+def test_a_prompt_longer_than_the_capacity_keeps_its_head() -> None:
+    index = PrefixIndex(capacity_blocks=3, ttl_s=60)
+    index.insert(chain(*range(10)), A, now=0)
+    assert len(index) == 3
+    assert index.match(chain(*range(10)), now=1) == {A: 3}
+
+
+def test_claims_older_than_the_ttl_are_ignored_and_evicted() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=10)
+    index.insert(chain(0, 1), A, now=0)
+    index.insert(chain(0, 2), B, now=5)
+    assert index.match(chain(0, 1), now=10) == {A: 2, B: 1}  # exactly ttl_s old still counts
+    assert index.match(chain(0, 1), now=12) == {B: 1}  # A's claims expired
+    assert index.match(chain(0, 2), now=16) == {}
+    index.insert(chain(7), C, now=16)
+    assert len(index) == 1  # what the match did not meet went on insert, oldest first
+
+
+def test_insert_refreshes_the_claim_and_expires_old_entries() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=10)
+    index.insert(chain(5), B, now=0)
+    index.insert(chain(0, 1), A, now=0)
+    index.insert(chain(0, 1), A, now=8)
+    assert index.match(chain(0, 1), now=15) == {A: 2}
+    index.insert(chain(6), C, now=15)  # B's block is the oldest and expired: dropped
+    assert len(index) == 3
+
+
+def test_remove_node_forgets_its_claims_only() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60)
+    index.insert(chain(0, 1), A, now=0)
+    index.insert(chain(0, 2), B, now=0)
+    index.remove_node(A)
+    assert len(index) == 2  # block 0 (B still holds it) and B's block 1
+    assert index.match(chain(0, 1), now=1) == {B: 1}
+    index.remove_node(NodeId("never-seen"))
+    assert len(index) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"capacity_blocks": 0, "ttl_s": 1}, "capacity_blocks"),
+        ({"capacity_blocks": 1, "ttl_s": 0}, "ttl_s"),
+    ],
+)
+def test_bad_bounds_are_refused(kwargs: dict[str, float], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        PrefixIndex(**kwargs)  # type: ignore[arg-type]
+
+
+_blocks = st.lists(st.integers(min_value=0, max_value=12), max_size=8)
+
+
+@settings(max_examples=100)
+@given(
+    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), _blocks), max_size=12),
+    query=_blocks,
+    capacity=st.integers(min_value=1, max_value=20),
+)
+def test_match_agrees_with_a_plain_model(
+    inserts: list[tuple[NodeId, list[int]]], query: list[int], capacity: int
+) -> None:
+    """Without eviction, a node matches the longest query prefix all of whose blocks it holds;
+    with eviction, never more than that, and the index never exceeds its capacity."""
+    bounded = PrefixIndex(capacity_blocks=capacity, ttl_s=1e9)
+    unbounded = PrefixIndex(capacity_blocks=10_000, ttl_s=1e9)
+    held: dict[NodeId, set[int]] = {}
+    for t, (node, blocks) in enumerate(inserts):
+        bounded.insert(blocks, node, now=t)
+        unbounded.insert(blocks, node, now=t)
+        held.setdefault(node, set()).update(blocks)
+        assert len(bounded) <= capacity
+    expected = {}
+    for node, holds in held.items():
+        depth = 0
+        while depth < len(query) and query[depth] in holds:
+            depth += 1
+        if depth:
+            expected[node] = depth
+    now = len(inserts)
+    assert unbounded.match(query, now=now) == expected
+    for node, depth in bounded.match(query, now=now).items():
+        assert 0 < depth <= expected[node]
