@@ -113,7 +113,7 @@ class RoutingConfig:
     probation_share: float = 0.5
     """Traffic share of a node on probation relative to a healthy one (it has one slot too)."""
 
-    # meridian: cost = sum of weighted terms, lowest wins (see docs/routing-policies.md)
+    # meridian: cost = sum of weighted terms, lowest wins (see docs/agent.md)
     meridian_prefix_weight: float = 1.0
     """Credit for a whole prompt cached on the node (scaled by the fraction cached)."""
     meridian_queue_weight: float = 4.0
@@ -686,7 +686,7 @@ class _Meridian(_Indexed):
     ``[x]`` is 1 when ``x`` holds, else 0; ``matched_blocks`` is the node's leading match in the
     prefix index.
 
-    The weights are ``RoutingConfig.meridian_*``; docs/routing-policies.md says why the defaults.
+    The weights are ``RoutingConfig.meridian_*``; docs/agent.md says why the defaults.
     """
 
     name = "meridian"

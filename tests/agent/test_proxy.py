@@ -593,3 +593,18 @@ async def test_no_routable_node_is_503_not_a_hang(
             assert "drained" in (await r.json())["error"]["message"]
         async with s.get(f"{handle.url}/ready") as r:
             assert r.status == 503
+
+
+async def test_requests_go_only_to_nodes_that_serve_their_model(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    tiny = [await sim_node(profile_name="cpu-tiny", seed=i) for i in range(2)]
+    other = await sim_node(profile_name="cpu-tiny", model="other-model")
+    handle = await start_agent([*tiny, other], policy="round_robin")
+    async with _client(handle.url) as client:
+        assert sorted(m.id for m in (await client.models.list()).data) == ["other-model", MODEL]
+        for _ in range(4):
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+            await client.completions.create(model="other-model", prompt="x", max_tokens=1)
+    assert await _metric(other, "vllm:request_success_total") == 4
+    assert sum([await _metric(u, "vllm:request_success_total") for u in tiny]) == 4

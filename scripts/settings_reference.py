@@ -1,0 +1,100 @@
+"""Write docs/agent-settings.md from the agent's settings classes (their defaults and descriptions).
+
+    .venv/bin/python scripts/settings_reference.py [--check]
+
+``--check`` exits 1 when the file is out of date (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from policies import routing  # noqa: E402
+from regional_agent.settings import NodeSettings, Settings  # noqa: E402
+
+OUT = ROOT / "docs" / "agent-settings.md"
+
+
+def _default(field: object) -> str:
+    value = getattr(field, "default", PydanticUndefined)
+    factory = getattr(field, "default_factory", None)
+    if value is PydanticUndefined and factory is not None:
+        value = factory()
+    if value is PydanticUndefined:
+        return "(required)"
+    if isinstance(value, BaseModel):
+        return ""
+    return f"`{value!r}`" if value not in (None, {}, []) else f"`{value}`"
+
+
+def render() -> str:
+    lines = [
+        "# meridian-agent settings",
+        "",
+        "Generated from `regional_agent/settings.py` by `scripts/settings_reference.py`; do",
+        "not edit by hand. Set them in the TOML file given with `--config` (`[group]` tables,",
+        "`[[nodes]]` entries), as environment variables (`MERIDIAN_AGENT_<GROUP>__<FIELD>`, e.g.",
+        "`MERIDIAN_AGENT_QUEUE__MAX_DEPTH=200`), or with the flags `--host`, `--port`, `--node`,",
+        "`--policy` and `--admin-token`. Flags win over the environment, which wins over the file.",
+        "",
+    ]
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        group = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+        if name == "nodes":
+            group = NodeSettings
+            lines += ["## `[[nodes]]`", "", f"{field.description}: one table per node.", ""]
+        elif group is not None:
+            lines += [f"## `[{name}]`", ""]
+        if group is None:
+            continue
+        lines += ["| setting | default | meaning |", "|---|---|---|"]
+        for sub, f in group.model_fields.items():
+            lines.append(f"| `{sub}` | {_default(f)} | {f.description or ''} |")
+        lines.append("")
+        if name == "routing":
+            lines += [
+                "`[routing.tuning]` accepts these `policies.routing.RoutingConfig` fields "
+                "(docs/agent.md explains each):",
+                "",
+                "| tuning field | default |",
+                "|---|---|",
+            ]
+            lines += [
+                f"| `{f.name}` | `{f.default!r}` |"
+                for f in dataclasses.fields(routing.RoutingConfig)
+            ]
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if the file is out of date")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run scripts/settings_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
