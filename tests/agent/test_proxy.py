@@ -608,3 +608,27 @@ async def test_requests_go_only_to_nodes_that_serve_their_model(
             await client.completions.create(model="other-model", prompt="x", max_tokens=1)
     assert await _metric(other, "vllm:request_success_total") == 4
     assert sum([await _metric(u, "vllm:request_success_total") for u in tiny]) == 4
+
+
+async def test_drain_timeout_cuts_a_stuck_request_and_retries_it_elsewhere(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    stuck, spare = await _nodes(sim_node, 2)
+    handle = await start_agent([stuck], health={"drain_timeout_s": 0.3})
+    async with aiohttp.ClientSession() as s:
+        await s.post(f"{stuck}/admin/faults", json={"hang": True})
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        pending = asyncio.ensure_future(s.post(f"{handle.url}/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        async with s.post(f"{handle.url}/admin/nodes", json={"url": spare}, headers=ADMIN) as r:
+            assert r.status == 201
+        stuck_id = (await _admin_nodes(handle))[stuck]["id"]
+        async with s.post(f"{handle.url}/admin/nodes/{stuck_id}/drain", headers=ADMIN) as r:
+            assert (await r.json())["admin"] == "draining"
+        response = await asyncio.wait_for(pending, timeout=5)
+        assert response.status == 200  # cut after the drain timeout, served by the spare node
+        response.release()
+        nodes = await _admin_nodes(handle)
+    assert nodes[stuck]["admin"] == "drained"
+    assert nodes[spare]["requests_total"] == 1
+    assert await _metric(spare, "vllm:request_success_total") == 1
