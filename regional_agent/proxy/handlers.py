@@ -196,7 +196,7 @@ async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamRe
             raise
         finally:
             span.set_attribute("http.status_code", status)
-            agent.instruments.requests.add(1, {"node": node_label, "status": str(status)})
+            agent.instruments.count_request(node=node_label, status=status)
 
 
 async def _attempts(
@@ -227,8 +227,8 @@ async def _attempts(
                 return _relay_error(last), "none"
             raise last from None
         agent.instruments.queue_wait.record(lease.queue_wait_s)
-        agent.instruments.decisions.add(
-            1, {"policy": lease.policy, "reason": lease.decision.reason.split(":")[0]}
+        agent.instruments.count_decision(
+            policy=lease.policy, reason=lease.decision.reason.split(":")[0]
         )
         span.set_attributes(
             {
@@ -254,7 +254,7 @@ async def _attempts(
                     if not isinstance(exc, UpstreamStatus)
                     else str(exc.http_status)
                 )
-                agent.instruments.retries.add(1, {"cause": cause})
+                agent.instruments.count_retry(cause=cause)
                 log.info(
                     "retrying request on another node node=%s attempt=%d cause=%s",
                     lease.node_id,

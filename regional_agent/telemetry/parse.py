@@ -64,8 +64,28 @@ class Scrape:
     ttft_count: float | None
 
 
+_WANTED: Final = tuple(
+    sorted({*RUNNING, *WAITING, *KV_UTIL, *PREFIX_QUERIES, *PREFIX_HITS, *PREEMPTIONS,
+            *TTFT_SUM, *TTFT_COUNT, CACHE_CONFIG})
+)  # fmt: skip
+
+
 def parse(text: str) -> Scrape:
-    """Read a vLLM ``/metrics`` page; :class:`TelemetryError` says what was wrong with it."""
+    """Read a vLLM ``/metrics`` page; :class:`TelemetryError` says what was wrong with it.
+
+    A real page has some 600 lines and routing needs about 15 of them: only the sample lines of
+    the names above go through ``prometheus_client``'s parser, which cuts the cost of a scrape
+    (8 a second for two nodes) by an order of magnitude.  When that finds too little, the whole
+    page is parsed, so a page that is not Prometheus text is reported as such.
+    """
+    relevant = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
+    try:
+        return _parse(relevant + "\n")
+    except TelemetryError:
+        return _parse(text)
+
+
+def _parse(text: str) -> Scrape:
     sums: defaultdict[str, float] = defaultdict(float)
     counts: defaultdict[str, int] = defaultdict(int)
     block_sizes: list[int] = []
