@@ -1,0 +1,104 @@
+"""Pydantic models of the JSON values in etcd.  Unknown fields are ignored on read, so an older
+controller can read a newer agent's status; a value that does not validate is reported with its
+key and skipped for that window by whoever reads it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+
+
+class _Value(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class RegionLoad(_Value):
+    queue_depth: int = Field(0, ge=0, description="requests waiting in the agent's queue")
+    in_flight: int = Field(0, ge=0, description="requests on the region's nodes")
+    kv_util: float = Field(0.0, ge=0, le=1, description="mean KV cache use of healthy nodes, 0..1")
+    requests_per_s: float = Field(0.0, ge=0, description="requests finished per second")
+    error_rate: float = Field(0.0, ge=0, le=1, description="failed share of finished requests")
+    ttft_p99_s: float | None = Field(None, ge=0, description="p99 time to first token, seconds")
+
+
+class RegionStatus(_Value):
+    """What a region's agent says of itself (``regions/<r>/status``)."""
+
+    region: str
+    geo: str = Field(description="the geography this region serves, e.g. eu, us-east")
+    residency: list[str] = Field(default_factory=list, description="data-residency tags it meets")
+    endpoints: list[str] = Field(default_factory=list, description="client-facing URLs")
+    nodes_healthy: int = Field(ge=0)
+    nodes_total: int = Field(ge=0)
+    capacity: float = Field(
+        ge=0, description="serving capacity: healthy nodes' weights summed (H100 = 1.0)"
+    )
+    capacity_floor: float = Field(0.0, ge=0, description="the floor the agent is honouring now")
+    load: RegionLoad = RegionLoad()
+    agent_id: str = ""
+    updated_at: float = Field(description="unix time of this status")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, value: str) -> str:
+        if not REGION_ID.match(value):
+            raise ValueError(f"region id {value!r} must be lowercase letters, digits and dashes")
+        return value
+
+
+AdminState = Literal["active", "draining", "drained"]
+
+
+class RegionDesired(_Value):
+    """What the controller wants of a region (``regions/<r>/desired``)."""
+
+    admin: AdminState = "active"
+    weight: float = Field(1.0, ge=0, le=1, description="share of its geography's traffic, 0..1")
+    capacity_floor: float = Field(
+        0.0, ge=0, description="capacity to keep warm, node-equivalents (pre-warm for a backup)"
+    )
+    protects: list[str] = Field(default_factory=list, description="regions this one backs up")
+    reason: str = ""
+    generation: int = 0
+
+
+HealthState = Literal["healthy", "suspect", "failed", "recovering", "drained"]
+
+
+class RegionHealth(_Value):
+    """The controller's judgement of a region (``regions/<r>/health``)."""
+
+    state: HealthState
+    strikes: int = Field(0, ge=0)
+    good_windows: int = Field(0, ge=0)
+    since: float = Field(description="unix time the region entered this state")
+    reason: str
+    weight: float = Field(1.0, ge=0, le=1)
+    backup: str | None = None
+    manual: bool = False
+    window: int = Field(0, ge=0, description="the controller's window counter")
+
+
+class GroupTable(_Value):
+    """One routing group of a region: hash buckets → the GPU group that serves them."""
+
+    region: str
+    group: str
+    buckets: list[int] = Field(default_factory=list)
+    kind: Literal["prefix", "session"] = "prefix"
+    updated_at: float
+
+
+class Event(_Value):
+    at: float
+    kind: str
+    region: str | None = None
+    reason: str
+    data: dict[str, object] = Field(default_factory=dict)
+    controller: str = ""
