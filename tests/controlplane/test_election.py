@@ -1,0 +1,102 @@
+"""Leader election on a real etcd: one leader, failover within the TTL, fenced writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from controlplane.clock import WallClock
+from controlplane.election import Election
+from controlplane.errors import NotLeader, StoreUnavailable
+from controlplane.store import Store
+from controlplane.store.etcd import Fence
+from tests.support import EtcdServer
+from wire import keys
+
+
+async def _until(predicate: object, timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
+    etcd: EtcdServer,
+) -> None:
+    stores = [Store([etcd.url]), Store([etcd.url])]
+    elections = [
+        Election(store=s, identity=f"c{i}", ttl_s=2, clock=WallClock())
+        for i, s in enumerate(stores)
+    ]
+    fences: dict[str, Fence] = {}
+
+    def worker(name: str):  # type: ignore[no-untyped-def]
+        async def work(fence: Fence) -> None:
+            fences[name] = fence
+            await asyncio.Event().wait()
+
+        return work
+
+    tasks = [asyncio.create_task(e.run(worker(e.identity))) for e in elections]
+    try:
+        await _until(lambda: any(e.leading for e in elections), 5)
+        await asyncio.sleep(0.5)
+        leaders = [e for e in elections if e.leading]
+        assert len(leaders) == 1
+        first = leaders[0]
+        other = next(e for e in elections if e is not first)
+        old_fence = fences[first.identity]
+        await stores[0].commit(
+            {keys.PREFIX + "probe": b"1"}, fence=old_fence
+        ) if first is elections[0] else await stores[1].commit(
+            {keys.PREFIX + "probe": b"1"}, fence=old_fence
+        )
+
+        # the leader's process dies: its keep-alives stop
+        dead = tasks[elections.index(first)]
+        dead.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await dead
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await _until(lambda: other.leading, 6)
+        assert loop.time() - t0 <= 2 + 1.5  # within the lease TTL (plus a poll)
+        new_fence = fences[other.identity]
+        assert new_fence.create_revision > old_fence.create_revision
+        # a write carrying the old leader's fence does not land
+        with pytest.raises(NotLeader):
+            await stores[0].commit({keys.PREFIX + "probe": b"stale"}, fence=old_fence)
+        got = await stores[0].get(keys.PREFIX + "probe")
+        assert got is not None and got.value == b"1"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for s in stores:
+            await s.close()
+
+
+async def test_store_fails_over_to_a_live_endpoint_and_reports_when_none_is(
+    etcd: EtcdServer,
+) -> None:
+    dead = "http://127.0.0.1:1"
+    store = Store([dead, etcd.url], timeout_s=1)
+    try:
+        await store.put(keys.PREFIX + "x", b"y")
+        got = await store.get(keys.PREFIX + "x")
+        assert got is not None and got.value == b"y"
+        assert store.endpoint == etcd.url
+    finally:
+        await store.close()
+    nowhere = Store([dead], timeout_s=1)
+    try:
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            await nowhere.get(keys.PREFIX + "x")
+    finally:
+        await nowhere.close()
