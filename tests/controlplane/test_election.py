@@ -50,11 +50,8 @@ async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
         first = leaders[0]
         other = next(e for e in elections if e is not first)
         old_fence = fences[first.identity]
-        await stores[0].commit(
-            {keys.PREFIX + "probe": b"1"}, fence=old_fence
-        ) if first is elections[0] else await stores[1].commit(
-            {keys.PREFIX + "probe": b"1"}, fence=old_fence
-        )
+        probe = {keys.PREFIX + "probe": b"1"}
+        await stores[elections.index(first)].commit(probe, fence=old_fence)
 
         # the leader's process dies: its keep-alives stop
         dead = tasks[elections.index(first)]
