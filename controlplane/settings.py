@@ -1,0 +1,178 @@
+"""Settings of ``meridian-controller``: flags over ``MERIDIAN_CONTROLLER_*`` over the TOML file
+given with ``--config`` over these defaults.  Invalid settings stop the process at start with a
+message naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from wire.models import REGION_ID, RESIDENCY_TAG
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EtcdSettings(_Group):
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:2379"],
+        description="etcd client URLs; the controller moves to the next when one fails",
+    )
+    timeout_s: float = Field(3.0, gt=0, description="timeout of one etcd call, seconds")
+
+
+class ElectionSettings(_Group):
+    id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="this replica's name in the leader key; default host-pid",
+    )
+    lease_ttl_s: int = Field(
+        10, ge=2, description="leader lease TTL, seconds: a dead leader is replaced within it"
+    )
+
+
+class FailoverSettings(_Group):
+    window_s: float = Field(30.0, gt=0, description="length of a health window, seconds")
+    strikes: int = Field(3, ge=1, description="consecutive failed windows before failed")
+    recovery_windows: int = Field(2, ge=1, description="consecutive good windows to recover")
+    ramp: list[float] = Field(
+        default_factory=lambda: [0.05, 0.25, 0.5, 1.0],
+        description="traffic weight per good window while recovering; increasing, ends at 1.0",
+    )
+    min_hold_s: float = Field(60.0, ge=0, description="least time in failed before recovering")
+    status_stale_s: float = Field(
+        60.0, gt=0, description="a region status older than this fails the window (seconds)"
+    )
+    min_healthy_fraction: float = Field(
+        0.5, ge=0, le=1, description="a window fails below this share of healthy nodes"
+    )
+    max_error_rate: float = Field(0.05, ge=0, le=1, description="a window fails above this")
+    ttft_p99_slo_s: float = Field(
+        5.0, gt=0, description="a window fails when p99 time to first token is above (seconds)"
+    )
+    prewarm_fraction: float = Field(
+        0.5, ge=0, le=1, description="backup capacity floor, as a share of what it protects"
+    )
+
+    @field_validator("ramp")
+    @classmethod
+    def _ramp(cls, value: list[float]) -> list[float]:
+        if not value or value[-1] != 1.0:
+            raise ValueError("the ramp must end at 1.0")
+        if any(b <= a for a, b in zip(value, value[1:], strict=False)) or value[0] <= 0:
+            raise ValueError("the ramp must be increasing and positive")
+        return value
+
+
+class RegionConfig(_Group):
+    id: str
+    geo: str = Field(description="the geography it serves (one DNS view per geography)")
+    residency: list[str] = Field(default_factory=list, description="data-residency tags it meets")
+    backups: list[str] = Field(
+        default_factory=list, description="backup regions in order of preference"
+    )
+    lat: float | None = Field(None, ge=-90, le=90)
+    lon: float | None = Field(None, ge=-180, le=180)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        if not REGION_ID.match(value):
+            raise ValueError(f"region id {value!r}: lowercase letters, digits and dashes")
+        return value
+
+    @field_validator("residency")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        for tag in value:
+            if not RESIDENCY_TAG.match(tag):
+                raise ValueError(f"residency tag {tag!r}: lowercase letters, digits and dashes")
+        return value
+
+
+class EventSettings(_Group):
+    retention: int = Field(1000, ge=10, description="events kept in etcd; older ones are pruned")
+
+
+class ServerSettings(_Group):
+    host: str = Field("127.0.0.1", description="address of the controller's read API")
+    port: int = Field(8090, ge=0, le=65535, description="port of the read API; 0 picks one")
+
+
+class ControllerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MERIDIAN_CONTROLLER_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    etcd: EtcdSettings = EtcdSettings()
+    election: ElectionSettings = ElectionSettings()
+    failover: FailoverSettings = FailoverSettings()
+    regions: list[RegionConfig] = Field(
+        default_factory=list,
+        description="known regions; regions that only appear in etcd get automatic backups",
+    )
+    latency_ms: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="round-trip latency between regions, ms (for backups)"
+    )
+    events: EventSettings = EventSettings()
+    server: ServerSettings = ServerSettings()
+
+    @model_validator(mode="after")
+    def _backups(self) -> ControllerSettings:
+        by_id = {r.id: r for r in self.regions}
+        if len(by_id) != len(self.regions):
+            raise ValueError("regions: duplicate region id")
+        for i, region in enumerate(self.regions):
+            for j, backup in enumerate(region.backups):
+                where = f"regions[{i}].backups[{j}]"
+                if backup == region.id:
+                    raise ValueError(f"{where}: {region.id} cannot back itself up")
+                if backup not in by_id:
+                    raise ValueError(f"{where}: unknown region {backup!r}")
+                missing = set(region.residency) - set(by_id[backup].residency)
+                if missing:
+                    raise ValueError(
+                        f"{where}: {backup} lacks residency {sorted(missing)} that {region.id} "
+                        "requires; pick a compliant backup"
+                    )
+        for a, row in self.latency_ms.items():
+            for b, ms in row.items():
+                if ms < 0:
+                    raise ValueError(f"latency_ms.{a}.{b}: must be >= 0")
+        return self
+
+
+def load(
+    *, config_file: Path | None = None, overrides: dict[str, Any] | None = None
+) -> ControllerSettings:
+    if config_file is not None and not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+
+    class _Loaded(ControllerSettings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if config_file is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+            return tuple(sources)
+
+    return _Loaded(**(overrides or {}))
