@@ -5,6 +5,7 @@ message naming the field.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -71,7 +72,7 @@ class FailoverSettings(_Group):
     def _ramp(cls, value: list[float]) -> list[float]:
         if not value or value[-1] != 1.0:
             raise ValueError("the ramp must end at 1.0")
-        if any(b <= a for a, b in zip(value, value[1:], strict=False)) or value[0] <= 0:
+        if any(b <= a for a, b in itertools.pairwise(value)) or value[0] <= 0:
             raise ValueError("the ramp must be increasing and positive")
         return value
 
