@@ -8,6 +8,8 @@ regions/<r>/status                             agent       ``RegionStatus`` JSON
                                                            at most once per window
 regions/<r>/desired                            controller  ``RegionDesired`` JSON
 regions/<r>/health                             controller  ``RegionHealth`` JSON (judged state)
+regions/<r>/override                           operator    ``RegionOverride`` JSON: manual
+                                                           failover or drain, until cleared
 routing/<r>/groups/<bucket>                    agent       ``GroupTable`` JSON, under a lease
 controller/leader                              controller  leader id, under the election lease
 controller/plan                                controller  ``FleetPlan`` JSON: the last good plan
@@ -45,6 +47,10 @@ def desired(region: str) -> str:
 
 def health(region: str) -> str:
     return f"{REGIONS}{region}/health"
+
+
+def override(region: str) -> str:
+    return f"{REGIONS}{region}/override"
 
 
 def groups(region: str) -> str:

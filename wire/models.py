@@ -18,6 +18,9 @@ class _Value(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+AdminState = Literal["active", "draining", "drained"]
+
+
 class RegionLoad(_Value):
     queue_depth: int = Field(0, ge=0, description="requests waiting in the agent's queue")
     in_flight: int = Field(0, ge=0, description="requests on the region's nodes")
@@ -41,6 +44,12 @@ class RegionStatus(_Value):
     )
     capacity_floor: float = Field(0.0, ge=0, description="the floor the agent is honouring now")
     load: RegionLoad = RegionLoad()
+    admin: AdminState = Field(
+        "active", description="the admin state the agent last read from its desired value"
+    )
+    observed_generation: int = Field(
+        0, ge=0, description="generation of the last desired value the agent applied"
+    )
     agent_id: str = ""
     updated_at: float = Field(description="unix time of this status")
 
@@ -50,9 +59,6 @@ class RegionStatus(_Value):
         if not REGION_ID.match(value):
             raise ValueError(f"region id {value!r} must be lowercase letters, digits and dashes")
         return value
-
-
-AdminState = Literal["active", "draining", "drained"]
 
 
 class RegionDesired(_Value):
@@ -83,6 +89,31 @@ class RegionHealth(_Value):
     backup: str | None = None
     manual: bool = False
     window: int = Field(0, ge=0, description="the controller's window counter")
+
+
+class RegionOverride(_Value):
+    """An operator's standing order for a region (``regions/<r>/override``), kept until
+    cleared: a manual failover holds until a manual failback, a drain until an undrain."""
+
+    failover: bool = False
+    target: str | None = Field(None, description="the region to fail over to; default backup")
+    admin: AdminState = "active"
+    reason: str
+    by: str = ""
+    at: float
+
+
+class FleetPlan(_Value):
+    """The controller's memory between windows (``controller/plan``)."""
+
+    window: int = 0
+    weights: dict[str, float] = Field(default_factory=dict, description="last good plan")
+    protected_capacity: dict[str, float] = Field(
+        default_factory=dict, description="last healthy capacity of each region"
+    )
+    alert: str | None = None
+    updated_at: float = 0.0
+    controller: str = ""
 
 
 class GroupTable(_Value):
