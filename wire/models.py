@@ -6,7 +6,7 @@ key and skipped for that window by whoever reads it.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -104,14 +104,19 @@ class RegionOverride(_Value):
 
 
 class FleetPlan(_Value):
-    """The controller's memory between windows (``controller/plan``)."""
+    """The plan in force and the controller's memory between windows (``controller/plan``).
+
+    ``serving`` is what DNS steering applies: per geography, region -> share of its traffic.
+    ``state`` is the failover policy's own state, opaque to everyone but the controller;
+    ``last_status`` keeps each region's last valid status, so a malformed one is ignored for a
+    window rather than counted as missing.
+    """
 
     window: int = 0
-    weights: dict[str, float] = Field(default_factory=dict, description="last good plan")
-    protected_capacity: dict[str, float] = Field(
-        default_factory=dict, description="last healthy capacity of each region"
-    )
+    serving: dict[str, dict[str, float]] = Field(default_factory=dict)
     alert: str | None = None
+    state: dict[str, Any] = Field(default_factory=dict)
+    last_status: dict[str, RegionStatus] = Field(default_factory=dict)
     updated_at: float = 0.0
     controller: str = ""
 

@@ -1,0 +1,119 @@
+"""``meridian-controller``: one replica of the global controller (run several).
+
+meridian-controller --etcd http://127.0.0.1:2379[,URL...] [--config FILE] [--window-s S]
+                    [--strikes N] [--recovery-windows N] [--prewarm-fraction F]
+                    [--id NAME] [--port P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from aiohttp import web
+
+from controlplane import settings as controller_settings
+from controlplane.app import create_app
+
+log = logging.getLogger("meridian.controller")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meridian-controller", description=__doc__.split("\n")[0])
+    p.add_argument("--etcd", help="etcd client URLs, comma-separated (etcd.endpoints)")
+    p.add_argument("--config", type=Path, help="TOML settings file")
+    p.add_argument("--window-s", type=float, help="health window, seconds (failover.window_s)")
+    p.add_argument("--strikes", type=int, help="failed windows before failed (failover.strikes)")
+    p.add_argument("--recovery-windows", type=int, help="good windows to recover")
+    p.add_argument("--prewarm-fraction", type=float, help="backup floor share (0..1)")
+    p.add_argument("--id", help="this replica's name (election.id)")
+    p.add_argument("--host", help="read API address (server.host)")
+    p.add_argument("--port", type=int, help="read API port; 0 picks one (server.port)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.etcd:
+        out["etcd"] = {"endpoints": [u.strip() for u in args.etcd.split(",") if u.strip()]}
+    failover = {
+        k: v
+        for k, v in (
+            ("window_s", args.window_s),
+            ("strikes", args.strikes),
+            ("recovery_windows", args.recovery_windows),
+            ("prewarm_fraction", args.prewarm_fraction),
+        )
+        if v is not None
+    }
+    if failover:
+        out["failover"] = failover
+    if args.id:
+        out["election"] = {"id": args.id}
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if server:
+        out["server"] = server
+    return out
+
+
+async def _serve(settings: controller_settings.ControllerSettings) -> None:
+    app = create_app(settings)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None) or []
+    port = sockets[0].getsockname()[1] if sockets else settings.server.port
+    log.info(
+        "meridian-controller id=%s url=http://%s:%d etcd=%s window_s=%g strikes=%d",
+        settings.election.id, settings.server.host, port, ",".join(settings.etcd.endpoints),
+        settings.failover.window_s, settings.failover.strikes,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    print(f"READY http://{settings.server.host}:{port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        settings = controller_settings.load(config_file=args.config, overrides=overrides(args))
+    except pydantic.ValidationError as exc:
+        lines = [
+            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        print("meridian-controller: invalid settings:\n" + "\n".join(lines), file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"meridian-controller: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(settings))
+    except OSError as exc:
+        print(f"meridian-controller: cannot listen: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The health-window loop: every window, judge every region and apply the plan, fenced.
+
+One pass (``reconcile_once``) is level-based: it reads the whole fleet from etcd (liveness keys,
+statuses, operators' overrides, the previous plan), calls ``policies.failover.plan`` and writes,
+in one transaction guarded by the leader key, every region's judged health and desired state
+(weight, capacity floor) and the new plan, then the events.  Only values that changed are
+written.  A new leader continues from the stored plan, so killing the leader changes nothing.
+
+Fail static: when etcd is unreachable the pass raises ``StoreUnavailable`` and nothing changes;
+the runner tries again and converges when etcd is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.clock import Clock
+from controlplane.reconcile import fleet
+from controlplane.settings import ControllerSettings
+from controlplane.store import Store
+from controlplane.store.etcd import Fence
+from policies import failover
+from policies.failover import RegionId
+from wire import keys
+from wire.models import Event, FleetPlan, RegionDesired, RegionHealth, RegionStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassResult:
+    window: int
+    writes: int
+    events: int
+    alert: str | None
+    recheck_after_s: float
+
+
+def config_from(settings: ControllerSettings) -> failover.FailoverConfig:
+    f = settings.failover
+    return failover.FailoverConfig(
+        window_s=f.window_s,
+        strikes=f.strikes,
+        recovery_windows=f.recovery_windows,
+        ramp=tuple(f.ramp),
+        min_hold_s=f.min_hold_s,
+        status_stale_s=f.status_stale_s,
+        min_healthy_fraction=f.min_healthy_fraction,
+        max_error_rate=f.max_error_rate,
+        ttft_p99_slo_s=f.ttft_p99_slo_s,
+        prewarm_fraction=f.prewarm_fraction,
+    )
+
+
+def topology_from(
+    settings: ControllerSettings, statuses: Mapping[str, RegionStatus]
+) -> failover.Topology:
+    """Configured regions, plus regions known only from their agents' statuses."""
+    infos: dict[str, failover.RegionInfo] = {}
+    for r in settings.regions:
+        coordinates = (r.lat, r.lon) if r.lat is not None and r.lon is not None else None
+        infos[r.id] = failover.RegionInfo(
+            region=RegionId(r.id),
+            geo=r.geo,
+            residency=frozenset(r.residency),
+            backups=tuple(RegionId(b) for b in r.backups),
+            coordinates=coordinates,
+        )
+    for region, status in statuses.items():
+        if region not in infos:
+            infos[region] = failover.RegionInfo(
+                region=RegionId(region), geo=status.geo, residency=frozenset(status.residency)
+            )
+    latency = {
+        (RegionId(a), RegionId(b)): ms
+        for a, row in settings.latency_ms.items()
+        for b, ms in row.items()
+    }
+    return failover.Topology.build(infos.values(), latency)
+
+
+def _snapshot(status: RegionStatus) -> failover.StatusSnapshot:
+    return failover.StatusSnapshot(
+        nodes_healthy=status.nodes_healthy,
+        nodes_total=status.nodes_total,
+        capacity=status.capacity,
+        error_rate=status.load.error_rate,
+        ttft_p99_s=status.load.ttft_p99_s,
+        kv_util=status.load.kv_util,
+        queue_depth=status.load.queue_depth,
+        in_flight=status.load.in_flight,
+    )
+
+
+# -- the policy's state, as JSON in controller/plan -----------------------------------------------
+
+
+def state_to_json(state: failover.FleetState) -> dict[str, Any]:
+    return {
+        "verdicts": {r: dataclasses.asdict(v) for r, v in state.verdicts.items()},
+        "window": state.window,
+        "serving": {g: dict(shares) for g, shares in state.serving.items()},
+        "alert": state.alert,
+    }
+
+
+def state_from_json(data: Mapping[str, Any]) -> failover.FleetState:
+    if not data:
+        return failover.FleetState()
+    verdicts = {}
+    for region, v in data.get("verdicts", {}).items():
+        v = dict(v)
+        v["region"] = RegionId(v["region"])
+        v["protects"] = tuple(RegionId(p) for p in v.get("protects", ()))
+        v["backup"] = RegionId(v["backup"]) if v.get("backup") else None
+        verdicts[RegionId(region)] = failover.Verdict(**v)
+    return failover.FleetState(
+        verdicts=verdicts,
+        window=int(data.get("window", 0)),
+        serving={
+            g: {RegionId(r): float(s) for r, s in shares.items()}
+            for g, shares in data.get("serving", {}).items()
+        },
+        alert=data.get("alert"),
+    )
+
+
+# -- one pass -------------------------------------------------------------------------------------
+
+
+async def reconcile_once(
+    *,
+    store: Store,
+    fence: Fence | None,
+    settings: ControllerSettings,
+    clock: Clock,
+    judge: bool = True,
+) -> PassResult:
+    now = clock.now()
+    view = await fleet.read(store)
+    last_status = dict(view.plan.last_status)
+    for region, record in view.regions.items():
+        if record.status is not None:
+            last_status[region] = record.status
+    statuses = {
+        r: s
+        for r, s in last_status.items()
+        if r in view.regions or r in {c.id for c in settings.regions}
+    }
+    topology = topology_from(settings, statuses)
+    observations = []
+    for region in topology.regions:
+        record = view.regions.get(region) or fleet.RegionRecord(region=region)
+        # a malformed status this window: judge on the last valid one (ignored, not missing)
+        status = record.status or (last_status.get(region) if record.status_bad else None)
+        override = record.override
+        target = override.target if override is not None and override.failover else None
+        observations.append(
+            failover.Observation(
+                region=RegionId(region),
+                alive=record.alive,
+                status=_snapshot(status) if status is not None else None,
+                status_age_s=max(0.0, now - status.updated_at) if status is not None else None,
+                admin=override.admin if override is not None else "active",
+                manual_failover=bool(override is not None and override.failover),
+                failover_target=RegionId(target) if target and target in topology.regions else None,
+            )
+        )
+    previous = state_from_json(view.plan.state)
+    result = failover.plan(
+        previous,
+        observations,
+        topology=topology,
+        config=config_from(settings),
+        now=now,
+        judge=judge,
+    )
+    state = result.state
+    puts: dict[str, bytes] = {}
+    for region, verdict in state.verdicts.items():
+        known = view.regions.get(region)
+        override = known.override if known is not None else None
+        health = RegionHealth(
+            state=verdict.state,
+            strikes=verdict.strikes,
+            good_windows=verdict.good_windows,
+            since=verdict.since,
+            reason=verdict.reason,
+            weight=verdict.weight,
+            backup=verdict.backup,
+            manual=verdict.manual,
+            window=state.window,
+        )
+        desired = RegionDesired(
+            admin=override.admin if override is not None else "active",
+            weight=verdict.weight,
+            capacity_floor=round(verdict.capacity_floor, 6),
+            protects=list(verdict.protects),
+            reason=verdict.backup_reason if verdict.protects else verdict.reason,
+            generation=state.window,
+        )
+        old_health = known.health if known is not None else None
+        # the window counter and a healthy region's growing run of good windows change every
+        # window; they are refreshed when something else changes (the plan key has them all)
+        volatile = {"window", "good_windows"}
+        if old_health is None or old_health.model_dump(exclude=volatile) != health.model_dump(
+            exclude=volatile
+        ):
+            puts[keys.health(region)] = health.model_dump_json().encode()
+        old_desired = known.desired if known is not None else None
+        if old_desired is None or old_desired.model_dump(
+            exclude={"generation"}
+        ) != desired.model_dump(exclude={"generation"}):
+            puts[keys.desired(region)] = desired.model_dump_json().encode()
+    plan_value = FleetPlan(
+        window=state.window,
+        serving={
+            g: {r: round(s, 6) for r, s in shares.items()} for g, shares in state.serving.items()
+        },
+        alert=state.alert,
+        state=state_to_json(state),
+        last_status=statuses,
+        updated_at=now,
+        controller=fence.value.decode() if fence is not None else "",
+    )
+    puts[keys.PLAN] = plan_value.model_dump_json().encode()
+    events = [
+        Event(
+            at=e.at,
+            kind=e.kind,
+            region=e.region,
+            reason=e.reason,
+            data={k: list(v) if isinstance(v, tuple) else v for k, v in e.data.items()},
+            controller=plan_value.controller,
+        )
+        for e in result.events
+    ]
+    for event in events:
+        puts[keys.event(int(event.at * 1000), uuid.uuid4().hex[:8])] = (
+            event.model_dump_json().encode()
+        )
+    await store.commit(puts, fence=fence)
+    for event in events:
+        level = (
+            logging.WARNING
+            if event.kind in ("state", "failover", "alert", "residency")
+            else logging.INFO
+        )
+        log.log(
+            level,
+            "event kind=%s region=%s reason=%s data=%s",
+            event.kind, event.region or "-", event.reason, json.dumps(event.data, sort_keys=True),
+        )  # fmt: skip
+    await _prune_events(store, fence=fence, retention=settings.events.retention)
+    return PassResult(
+        window=state.window,
+        writes=len(puts),
+        events=len(events),
+        alert=state.alert,
+        recheck_after_s=result.recheck_after_s,
+    )
+
+
+async def _prune_events(store: Store, *, fence: Fence | None, retention: int) -> None:
+    entries = await store.get_prefix(keys.EVENTS)
+    if len(entries) <= retention:
+        return
+    entries.sort(key=lambda e: e.key)
+    old = [e.key for e in entries[: len(entries) - retention]]
+    await store.commit({}, deletes=old, fence=fence)

@@ -1,0 +1,246 @@
+"""The window loop against real etcd, one pass at a time with a driven clock.
+
+Regions here are published straight into etcd the way an agent does (``wire`` keys and models),
+so each test controls exactly what the controller sees; the agent's own publisher is tested in
+tests/agent/test_publisher.py and both together in test_controller_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from controlplane.reconcile import windows
+from controlplane.settings import ControllerSettings
+from controlplane.store import Store
+from tests.support import EtcdServer
+from wire import keys
+from wire.models import FleetPlan, RegionDesired, RegionHealth, RegionLoad, RegionStatus
+
+WINDOW_S = 30.0
+
+
+class Clock:
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
+    s = Store([etcd.url])
+    yield s
+    await s.close()
+
+
+def _settings(**failover: Any) -> ControllerSettings:
+    return ControllerSettings(
+        etcd={"endpoints": ["http://127.0.0.1:1"]},
+        failover={"window_s": WINDOW_S, "min_hold_s": 0.0, **failover},
+        regions=[
+            {"id": "eu-west", "geo": "eu", "residency": ["eu"], "lat": 53.3, "lon": -6.3},
+            {"id": "eu-north", "geo": "eu", "residency": ["eu"], "lat": 59.3, "lon": 18.1},
+            {"id": "us-east", "geo": "us", "residency": [], "lat": 39.0, "lon": -77.5},
+        ],
+    )  # type: ignore[arg-type]
+
+
+async def _publish(
+    store: Store,
+    clock: Clock,
+    region: str,
+    *,
+    capacity: float = 4.0,
+    healthy: int = 4,
+    total: int = 4,
+    alive: bool = True,
+    error_rate: float = 0.0,
+) -> None:
+    geo = "us" if region.startswith("us") else "eu"
+    status = RegionStatus(
+        region=region,
+        geo=geo,
+        residency=[] if geo == "us" else ["eu"],
+        endpoints=[f"http://{region}.example:8080"],
+        nodes_healthy=healthy,
+        nodes_total=total,
+        capacity=capacity,
+        load=RegionLoad(error_rate=error_rate),
+        updated_at=clock.now(),
+    )
+    await store.put(keys.status(region), status.model_dump_json().encode())
+    if alive:
+        await store.put(keys.alive(region), b"")
+    else:
+        await store.delete(keys.alive(region))
+
+
+async def _health(store: Store, region: str) -> RegionHealth:
+    entry = await store.get(keys.health(region))
+    assert entry is not None
+    return RegionHealth.model_validate_json(entry.value)
+
+
+async def _desired(store: Store, region: str) -> RegionDesired:
+    entry = await store.get(keys.desired(region))
+    assert entry is not None
+    return RegionDesired.model_validate_json(entry.value)
+
+
+async def _window(
+    store: Store, clock: Clock, settings: ControllerSettings, *, up: list[str]
+) -> windows.PassResult:
+    """One window: the regions in ``up`` refresh their status, then the controller judges."""
+    clock.t += WINDOW_S
+    for region in up:
+        await _publish(store, clock, region)
+    return await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+
+
+ALL = ["eu-west", "eu-north", "us-east"]
+
+
+async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
+    store: Store,
+) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    assert (await _health(store, "eu-west")).state == "healthy"
+    # eu-west's agent stops: its lease (here: the alive key) goes, its status goes stale
+    await store.delete(keys.alive("eu-west"))
+    states = []
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-north", "us-east"])
+        h = await _health(store, "eu-west")
+        states.append((h.state, h.strikes))
+    assert states == [("suspect", 1), ("suspect", 2), ("failed", 3)]
+    health = await _health(store, "eu-west")
+    assert health.weight == 0.0 and "lease" in health.reason
+    assert health.backup == "eu-north"
+    # its traffic moved to the backup in the plan DNS will apply
+    plan_entry = await store.get(keys.PLAN)
+    assert plan_entry is not None
+    plan = FleetPlan.model_validate_json(plan_entry.value)
+    assert plan.serving["eu"] == {"eu-north": 1.0}
+    # events record every strike and the state changes, with reasons
+    events = [json.loads(e.value) for e in await store.get_prefix(keys.EVENTS)]
+    kinds = [(e["kind"], e["region"]) for e in events if e["region"] == "eu-west"]
+    assert kinds.count(("strike", "eu-west")) == 3
+    assert ("failover", "eu-west") in kinds
+    assert all(e["reason"] for e in events)
+
+
+async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(store: Store) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    desired = await _desired(store, "eu-north")
+    assert "eu-west" in desired.protects
+    assert desired.capacity_floor >= 0.5 * 4.0
+    # eu-west grows to 10 nodes' worth of capacity: the backup's floor rises with it
+    clock.t += WINDOW_S
+    await _publish(store, clock, "eu-west", capacity=10.0, healthy=10, total=10)
+    for region in ("eu-north", "us-east"):
+        await _publish(store, clock, region)
+    await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+    assert (await _desired(store, "eu-north")).capacity_floor >= 5.0
+    # eu-west dies: the floor is kept, not collapsed
+    await store.delete(keys.alive("eu-west"))
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-north", "us-east"])
+    assert (await _health(store, "eu-west")).state == "failed"
+    assert (await _desired(store, "eu-north")).capacity_floor >= 5.0
+
+
+async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(store: Store) -> None:
+    clock = Clock()
+    settings = _settings()
+    # us-east has far more headroom; eu traffic must still stay in eu
+    clock.t += WINDOW_S
+    await _publish(store, clock, "us-east", capacity=100.0, healthy=100, total=100)
+    await _publish(store, clock, "eu-west")
+    await _publish(store, clock, "eu-north")
+    await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+    assert (await _health(store, "eu-west")).backup == "eu-north"
+    # with eu-north gone too, eu-west has no compliant backup: reported, never us-east
+    await store.delete(keys.alive("eu-north"))
+    await store.delete(keys.alive("eu-west"))
+    for _ in range(3):
+        await _window(store, clock, settings, up=["us-east"])
+    west = await _health(store, "eu-west")
+    assert west.backup is None
+    plan_entry = await store.get(keys.PLAN)
+    assert plan_entry is not None
+    plan = FleetPlan.model_validate_json(plan_entry.value)
+    assert "us-east" not in plan.serving.get("eu", {})
+    assert plan.alert is not None  # never all off: eu keeps its last answer, with an alert
+
+
+async def test_recovery_ramps_the_weight_back(store: Store) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    await store.delete(keys.alive("eu-west"))
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-north", "us-east"])
+    assert (await _health(store, "eu-west")).state == "failed"
+    seen = []
+    for _ in range(6):
+        await _window(store, clock, settings, up=ALL)
+        h = await _health(store, "eu-west")
+        seen.append((h.state, h.weight))
+    assert seen[0] == ("failed", 0.0)  # one good window is not enough
+    ramp = [w for s, w in seen if s == "recovering"]
+    assert ramp == [0.05, 0.25, 0.5]
+    assert seen[-1] == ("healthy", 1.0)
+
+
+async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    clock.t += WINDOW_S
+    for region in ("eu-north", "us-east"):
+        await _publish(store, clock, region)
+    await store.put(keys.status("eu-west"), b'{"region": "eu-west", "nodes_healthy": "many"}')
+    await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+    assert (await _health(store, "eu-west")).state == "healthy"  # not a strike
+    assert any(
+        keys.status("eu-west") in r.getMessage() and "nodes_healthy" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
+    """What one leader judged, the next leader continues: state lives in etcd, not memory."""
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    await store.delete(keys.alive("eu-west"))
+    await _window(store, clock, settings, up=["eu-north", "us-east"])
+    await _window(store, clock, settings, up=["eu-north", "us-east"])
+    # "another controller" (a fresh store and call) takes the third window
+    other = Store([store.endpoint])
+    try:
+        clock.t += WINDOW_S
+        for region in ("eu-north", "us-east"):
+            await _publish(store, clock, region)
+        await windows.reconcile_once(store=other, fence=None, settings=settings, clock=clock)
+    finally:
+        await other.close()
+    assert (await _health(store, "eu-west")).state == "failed"
+
+
+async def test_nothing_is_rewritten_when_nothing_changed(store: Store, etcd: EtcdServer) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    before = {k: (await store.get(k)) for k in (keys.health("eu-west"), keys.desired("eu-north"))}
+    result = await _window(store, clock, settings, up=ALL)
+    after = {k: (await store.get(k)) for k in before}
+    for key in before:
+        assert before[key] is not None and after[key] is not None
+        assert before[key].mod_revision == after[key].mod_revision  # type: ignore[union-attr]
+    assert result.writes == 1  # the plan (window counter) only
