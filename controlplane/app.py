@@ -42,22 +42,35 @@ class Controller:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def lead(self, fence: Fence) -> None:
-        """The leader's work: one reconcile pass per window until leadership ends."""
+        """The leader's work: one reconcile pass per window until leadership ends.
+
+        Fail static: while etcd is unreachable nothing is judged or written.  The first pass
+        after it returns (and the first pass of a new leader) judges nothing either: it only
+        brings admin states, backups and floors up to date, so agents get one window to
+        republish before they can earn a strike for an outage that was not theirs.
+        """
         window_s = self.settings.failover.window_s
+        judge = False
         while True:
             started = self.clock.now()
             try:
                 self.last_pass = await windows.reconcile_once(
-                    store=self.store, fence=fence, settings=self.settings, clock=self.clock
+                    store=self.store,
+                    fence=fence,
+                    settings=self.settings,
+                    clock=self.clock,
+                    judge=judge,
                 )
                 self.passes += 1
                 if not self.etcd_ok:
-                    log.warning("etcd reachable again: windows resume")
+                    log.warning("etcd reachable again: a grace window, then judging resumes")
                 self.etcd_ok = True
+                judge = True
             except StoreUnavailable as exc:
                 if self.etcd_ok:
                     log.warning("etcd unavailable: changing nothing (fail static) error=%s", exc)
                 self.etcd_ok = False
+                judge = False
                 await asyncio.sleep(min(1.0, window_s))
                 continue
             except NotLeader:

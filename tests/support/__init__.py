@@ -5,7 +5,7 @@ yourself (for example, two etcd members, or a server a test kills on purpose).
 """
 
 from tests.support.bind import BindServer, DnsView, TsigKey, start_bind
-from tests.support.etcd import EtcdServer, start_etcd
+from tests.support.etcd import EtcdServer, relaunch, start_etcd, start_etcd_cluster
 from tests.support.ports import free_port
 from tests.support.process import ServerStartError
 
@@ -16,6 +16,8 @@ __all__ = [
     "ServerStartError",
     "TsigKey",
     "free_port",
+    "relaunch",
     "start_bind",
     "start_etcd",
+    "start_etcd_cluster",
 ]

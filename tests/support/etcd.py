@@ -140,3 +140,74 @@ def _wait_ready(server: EtcdServer) -> None:
             return
         time.sleep(0.05)
     raise server.process.failure(f"etcd not healthy after {START_TIMEOUT_S:.0f} s")
+
+
+def relaunch(server: EtcdServer) -> EtcdServer:
+    """Start a stopped member again: same name, ports and data. The caller stops it."""
+    log_path = server.process.log_path.with_name(f"etcd-{uuid.uuid4().hex[:6]}.log")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    process = ServerProcess(server.process.argv, log_path=log_path, env=env)
+    again = EtcdServer(
+        host=server.host,
+        port=server.port,
+        peer_port=server.peer_port,
+        name=server.name,
+        data_dir=server.data_dir,
+        process=process,
+    )
+    _wait_ready(again)
+    return again
+
+
+@contextmanager
+def start_etcd_cluster(tmp_dir: Path, *, size: int = 3) -> Iterator[list[EtcdServer]]:
+    """A ``size``-member etcd cluster on loopback; every member stopped and removed on exit."""
+    binary = find_binary("etcd")
+    token = f"meridian-cluster-{uuid.uuid4().hex[:8]}"
+    names = [f"{token}-{i}" for i in range(size)]
+    ports: list[tuple[int, int]] = []
+    while len(ports) < size:
+        pair = (free_port(), free_port())
+        if len({pair[0], pair[1], *(p for q in ports for p in q)}) == 2 * (len(ports) + 1):
+            ports.append(pair)
+    initial = ",".join(
+        f"{n}=http://{HOST}:{peer}" for n, (_, peer) in zip(names, ports, strict=True)
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    members: list[EtcdServer] = []
+    try:
+        for name, (port, peer) in zip(names, ports, strict=True):
+            work_dir = Path(tempfile.mkdtemp(prefix="etcd-member-", dir=tmp_dir))
+            argv = [
+                binary,
+                f"--name={name}",
+                f"--data-dir={work_dir / 'data'}",
+                f"--listen-client-urls=http://{HOST}:{port}",
+                f"--advertise-client-urls=http://{HOST}:{port}",
+                f"--listen-peer-urls=http://{HOST}:{peer}",
+                f"--initial-advertise-peer-urls=http://{HOST}:{peer}",
+                f"--initial-cluster={initial}",
+                f"--initial-cluster-token={token}",
+                "--initial-cluster-state=new",
+                "--logger=zap",
+                "--log-outputs=stderr",
+                "--log-level=warn",
+            ]
+            process = ServerProcess(argv, log_path=work_dir / "etcd.log", env=env)
+            members.append(
+                EtcdServer(
+                    host=HOST,
+                    port=port,
+                    peer_port=peer,
+                    name=name,
+                    data_dir=work_dir / "data",
+                    process=process,
+                )
+            )
+        for member in members:
+            _wait_ready(member)
+        yield members
+    finally:
+        for member in members:
+            member.process.stop()
+            shutil.rmtree(member.data_dir, ignore_errors=True)

@@ -1,0 +1,212 @@
+"""The controller when what it depends on fails: a leader dies, an etcd member dies, etcd dies.
+
+Controllers run as in production (``create_app``: election, window loop) with short windows;
+regions are published into etcd by a small stand-in agent loop (``wire`` keys and models).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from controlplane.app import CONTROLLER, Controller, create_app
+from controlplane.errors import NotLeader
+from controlplane.settings import ControllerSettings
+from controlplane.store import Store
+from tests.support import EtcdServer, relaunch, start_etcd, start_etcd_cluster
+from wire import keys
+from wire.models import RegionHealth, RegionStatus
+
+WINDOW_S = 0.4
+REGIONS = ({"id": "eu-west", "geo": "eu", "residency": ["eu"]},
+           {"id": "eu-north", "geo": "eu", "residency": ["eu"]})  # fmt: skip
+
+
+def _settings(endpoints: list[str], name: str, **extra: Any) -> ControllerSettings:
+    return ControllerSettings(
+        etcd={"endpoints": endpoints, "timeout_s": 1.0},
+        election={"id": name, "lease_ttl_s": 2},
+        failover={"window_s": WINDOW_S, "status_stale_s": 5.0, "min_hold_s": 0.0},
+        regions=list(REGIONS),
+        server={"port": 0},
+        **extra,
+    )  # type: ignore[arg-type]
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+class Fleet:
+    """Controllers and stand-in agents for one test; everything stopped at the end."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        self.runners: dict[str, web.AppRunner] = {}
+        self.agents: list[asyncio.Task[None]] = []
+        self.up = {"eu-west": True, "eu-north": True}
+        self.store = Store(endpoints, timeout_s=1.0)
+
+    async def controller(self, name: str) -> Controller:
+        app = create_app(_settings(self.endpoints, name))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        self.runners[name] = runner
+        return app[CONTROLLER]
+
+    async def stop_controller(self, name: str, *, crash: bool) -> None:
+        runner = self.runners.pop(name)
+        controller = runner.app[CONTROLLER]  # type: ignore[union-attr]
+        if crash:  # no resignation: its lease must run out before a successor leads
+            controller.election.resign = _noop  # type: ignore[method-assign]
+        await runner.cleanup()
+
+    def start_agents(self) -> None:
+        for region in ("eu-west", "eu-north"):
+            self.agents.append(asyncio.create_task(self._agent(region)))
+
+    async def _agent(self, region: str) -> None:
+        store = Store(self.endpoints, timeout_s=1.0)
+        try:
+            while True:
+                if self.up[region]:
+                    status = RegionStatus(
+                        region=region,
+                        geo="eu",
+                        residency=["eu"],
+                        nodes_healthy=2,
+                        nodes_total=2,
+                        capacity=2.0,
+                        updated_at=time.time(),
+                    )
+                    with contextlib.suppress(Exception):
+                        await store.put(keys.status(region), status.model_dump_json().encode())
+                        await store.put(keys.alive(region), b"")
+                await asyncio.sleep(0.1)
+        finally:
+            await store.close()
+
+    async def health(self, region: str) -> RegionHealth | None:
+        entry = await self.store.get(keys.health(region))
+        return None if entry is None else RegionHealth.model_validate_json(entry.value)
+
+    async def close(self) -> None:
+        for task in self.agents:
+            task.cancel()
+        for task in self.agents:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for runner in list(self.runners.values()):
+            await runner.cleanup()
+        await self.store.close()
+
+
+async def _noop() -> None:
+    return None
+
+
+@pytest.fixture
+async def fleet_factory() -> AsyncIterator[Callable[[list[str]], Fleet]]:
+    made: list[Fleet] = []
+
+    def make(endpoints: list[str]) -> Fleet:
+        made.append(Fleet(endpoints))
+        return made[-1]
+
+    yield make
+    for f in made:
+        await f.close()
+
+
+async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
+    fresh_etcd: EtcdServer, fleet_factory: Callable[[list[str]], Fleet]
+) -> None:
+    fleet = fleet_factory([fresh_etcd.url])
+    fleet.start_agents()
+    a = await fleet.controller("ctl-a")
+    b = await fleet.controller("ctl-b")
+    await _until(lambda: a.election.leading or b.election.leading, 5, "a leader")
+    leader, follower = (a, b) if a.election.leading else (b, a)
+    await _until(lambda: leader.passes >= 3, 5, "judged windows")
+    # eu-west's agent stops; the region is judged failed
+    fleet.up["eu-west"] = False
+    await fleet.store.delete(keys.alive("eu-west"))
+
+    async def west_state() -> str | None:
+        h = await fleet.health("eu-west")
+        return None if h is None else h.state
+
+    for _ in range(100):
+        if await west_state() == "failed":
+            break
+        await asyncio.sleep(0.1)
+    assert await west_state() == "failed"
+    old_fence = leader.election.fence
+    assert old_fence is not None
+    # the leading controller dies without resigning
+    await fleet.stop_controller(leader.election.identity, crash=True)
+    await _until(lambda: follower.election.leading, 2 + 2, "the follower to lead")
+    # nothing was undone: eu-west stays failed, its backup keeps the floor
+    await asyncio.sleep(3 * WINDOW_S)
+    assert await west_state() == "failed"
+    desired = await fleet.store.get(keys.desired("eu-north"))
+    assert desired is not None and b'"capacity_floor":1.0' in desired.value
+    # and a write under the dead leader's fence does not land
+    with pytest.raises(NotLeader):
+        await fleet.store.commit({keys.PREFIX + "probe": b"x"}, fence=old_fence)
+
+
+async def test_a_three_member_cluster_with_one_member_killed_keeps_working(
+    tmp_path: Path, fleet_factory: Callable[[list[str]], Fleet]
+) -> None:
+    with start_etcd_cluster(tmp_path, size=3) as members:
+        fleet = fleet_factory([m.url for m in members])
+        fleet.start_agents()
+        c = await fleet.controller("ctl-a")
+        await _until(lambda: c.election.leading and c.passes >= 2, 10, "passes")
+        # kill the member the controller is talking to right now
+        current = next(m for m in members if m.url == c.store.endpoint)
+        current.process.kill()
+        before = c.passes
+        await _until(lambda: c.passes >= before + 3, 15, "passes after the member died")
+        assert c.election.leading
+        h = await fleet.health("eu-west")
+        assert h is not None and h.state == "healthy"
+
+
+async def test_etcd_down_entirely_fails_static_then_converges(
+    tmp_path: Path, fleet_factory: Callable[[list[str]], Fleet]
+) -> None:
+    with start_etcd(tmp_path) as etcd:
+        fleet = fleet_factory([etcd.url])
+        fleet.start_agents()
+        c = await fleet.controller("ctl-a")
+        await _until(lambda: c.election.leading and c.passes >= 3, 10, "passes")
+        window_before = c.last_pass.window if c.last_pass else 0
+        etcd.process.kill()
+        await _until(lambda: not c.etcd_ok, 10, "the controller to notice")
+        await asyncio.sleep(1.0)  # several windows' worth of outage: nothing may be judged
+        again = relaunch(etcd)
+        try:
+            await _until(lambda: c.etcd_ok and c.passes > 0 and c.election.leading, 20, "recovery")
+            passes = c.passes
+            await _until(lambda: c.passes >= passes + 3, 10, "windows after recovery")
+            for region in ("eu-west", "eu-north"):
+                h = await fleet.health(region)
+                assert h is not None
+                assert h.state == "healthy", h  # the outage earned nobody a strike
+                assert h.strikes == 0
+            assert c.last_pass is not None and c.last_pass.window > window_before
+        finally:
+            again.process.stop()
