@@ -87,6 +87,7 @@ class RegionHealth(_Value):
     reason: str
     weight: float = Field(1.0, ge=0, le=1)
     backup: str | None = None
+    backup_reason: str = ""
     manual: bool = False
     window: int = Field(0, ge=0, description="the controller's window counter")
 

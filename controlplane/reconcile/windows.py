@@ -194,6 +194,7 @@ async def reconcile_once(
             reason=verdict.reason,
             weight=verdict.weight,
             backup=verdict.backup,
+            backup_reason=verdict.backup_reason,
             manual=verdict.manual,
             window=state.window,
         )

@@ -23,14 +23,21 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from controlplane.errors import NotLeader, StoreUnavailable
+from controlplane.errors import ControllerError, NotLeader, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+# Refusals that another try cannot fix: a bug or a misconfiguration, raised as they are.
+_REFUSED = (
+    aetcd.exceptions.InvalidArgumentError,
+    aetcd.exceptions.UnauthenticatedError,
+    aetcd.exceptions.PreconditionFailedError,
+    aetcd.exceptions.DuplicateLeaseError,
+)
+# Everything else means this member cannot answer now (unreachable, no raft leader yet —
+# "context deadline exceeded" while a cluster re-elects): try the next member.
 _UNREACHABLE = (
-    aetcd.exceptions.ConnectionFailedError,
-    aetcd.exceptions.ConnectionTimeoutError,
-    aetcd.exceptions.InternalError,
+    aetcd.exceptions.ClientError,
     grpc.RpcError,
     OSError,
     asyncio.TimeoutError,
@@ -108,6 +115,8 @@ class Store:
             try:
                 async with asyncio.timeout(self._timeout_s + 1):
                     return await fn(client)
+            except _REFUSED as exc:
+                raise ControllerError(f"etcd refused {op}: {_why(exc)}") from exc
             except _UNREACHABLE as exc:
                 last = exc
                 log.info(
