@@ -33,6 +33,18 @@ class EtcdSettings(_Group):
     )
     timeout_s: float = Field(3.0, gt=0, description="timeout of one etcd call, seconds")
 
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one etcd endpoint is required")
+        for url in value:
+            rest = url.split("://", 1)[-1].rstrip("/")
+            host, _, port = rest.rpartition(":")
+            if "://" not in url or not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {url!r} must look like http://host:port")
+        return value
+
 
 class ElectionSettings(_Group):
     id: str = Field(
