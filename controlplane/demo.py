@@ -1,0 +1,348 @@
+"""``make demo``: a whole Meridian fleet on one machine, and a regional failover you can watch.
+
+Starts, as separate processes on loopback: etcd; three regions — ``eu-west`` (4 simulated H100
+nodes), ``eu-north`` (1 node, with the simulator actuator so it can pre-warm) and ``us-east``
+(2 nodes) — each a set of ``meridian-sim`` nodes behind a ``meridian-agent`` that publishes to
+etcd; and two ``meridian-controller`` replicas.  Traffic flows into every region.  With short
+windows (2 s instead of 30 s) it then:
+
+1. shows eu-north pre-warming: its backup floor is half of eu-west's capacity, so its agent
+   starts simulated nodes until it meets it;
+2. kills eu-west's agent: three failed windows later eu-west is ``failed`` and the plan sends
+   the eu geography to eu-north (never to us-east: residency);
+3. kills the leading controller: the other replica leads within the lease TTL and nothing that
+   was decided changes;
+4. restarts eu-west's agent: two good windows, then the ramp 5 → 25 → 50 → 100 %.
+
+Every window it prints each region's judged state, strikes, weight, capacity and floor, the
+leader and the eu/us answers DNS would give; events are printed as the controller records them.
+
+    python -m controlplane.demo [--window-s 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+ADMIN_TOKEN = "demo-admin-token"
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+REGIONS = {
+    "eu-west": {"geo": "eu", "residency": "eu", "nodes": 4, "lat": 53.3, "lon": -6.3},
+    "eu-north": {"geo": "eu", "residency": "eu", "nodes": 1, "lat": 59.3, "lon": 18.1},
+    "us-east": {"geo": "us", "residency": "", "nodes": 2, "lat": 39.0, "lon": -77.5},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen[str]
+    log: IO[str]
+    url: str = ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+@dataclass
+class Fleet:
+    work: Path
+    window_s: float
+    procs: list[Proc] = field(default_factory=list)
+    etcd_url: str = ""
+    agents: dict[str, Proc] = field(default_factory=dict)
+    agent_args: dict[str, list[str]] = field(default_factory=dict)
+    controllers: dict[str, Proc] = field(default_factory=dict)
+    ok: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Proc:
+        log = (self.work / f"{name}.log").open("w")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**base, **(env or {})}, start_new_session=True,
+        )  # fmt: skip
+        p = Proc(name=name, proc=proc, log=log)
+        self.procs.append(p)
+        return p
+
+    def ready(self, p: Proc, timeout_s: float = 60.0) -> Proc:
+        assert p.proc.stdout is not None
+        line = p.proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise SystemExit(f"demo: {p.name} did not start; see {self.work / (p.name + '.log')}")
+        p.url = line.split()[1]
+        return p
+
+    def start_etcd(self) -> None:
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        port, peer = _free_port(), _free_port()
+        self.etcd_url = f"http://127.0.0.1:{port}"
+        p = self.spawn(
+            "etcd",
+            [binary, "--name=demo", f"--data-dir={self.work / 'etcd'}",
+             f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
+             f"--listen-peer-urls=http://127.0.0.1:{peer}",
+             f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+             f"--initial-cluster=demo=http://127.0.0.1:{peer}", "--log-level=error"],
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                p.url = self.etcd_url
+                return
+            time.sleep(0.1)
+        raise SystemExit("demo: etcd did not start")
+
+    def start_region(self, region: str) -> None:
+        info = REGIONS[region]
+        nodes = []
+        for i in range(int(info["nodes"])):  # type: ignore[call-overload]
+            p = self.spawn(
+                f"{region}-node{i}",
+                [sys.executable, "-m", "simulator.cli", "node", "--port", "0",
+                 "--profile", "h100-llama3-8b", "--seed", str(i), "--log-level", "WARNING"],
+            )  # fmt: skip
+            nodes.append(self.ready(p).url)
+        args = [
+            sys.executable, "-m", "regional_agent.cli", "--port", "0", "--admin-token", ADMIN_TOKEN,
+            "--region", region, "--geo", str(info["geo"]), "--etcd", self.etcd_url,
+            "--endpoint", f"https://{region}.meridian.example", "--log-level", "WARNING",
+            *[a for n in nodes for a in ("--node", n)],
+        ]  # fmt: skip
+        if info["residency"]:
+            args += ["--residency", str(info["residency"])]
+        if region == "eu-north":
+            args += ["--actuator", "simulator"]
+        self.agent_args[region] = args
+        self.start_agent(region)
+
+    def start_agent(self, region: str) -> None:
+        env = {
+            "MERIDIAN_AGENT_REGION__LEASE_TTL_S": "2",
+            "MERIDIAN_AGENT_REGION__WINDOW_S": str(self.window_s),
+            "MERIDIAN_AGENT_REGION__MIN_INTERVAL_S": "0.5",
+            "MERIDIAN_AGENT_AUTOSCALER__INTERVAL_S": "1",
+        }
+        self.agents[region] = self.ready(
+            self.spawn(f"{region}-agent", self.agent_args[region], env=env)
+        )
+
+    def start_controller(self, name: str) -> None:
+        config = self.work / "controller.toml"
+        if not config.exists():
+            lines = [
+                "[failover]",
+                f"window_s = {self.window_s}",
+                "strikes = 3",
+                "recovery_windows = 2",
+                f"min_hold_s = {2 * self.window_s}",
+                f"status_stale_s = {3 * self.window_s}",
+                "",
+            ]
+            for region, info in REGIONS.items():
+                residency = f'["{info["residency"]}"]' if info["residency"] else "[]"
+                lines += [
+                    "[[regions]]",
+                    f'id = "{region}"',
+                    f'geo = "{info["geo"]}"',
+                    f"residency = {residency}",
+                    f"lat = {info['lat']}",
+                    f"lon = {info['lon']}",
+                    "",
+                ]
+            config.write_text("\n".join(lines))
+        p = self.spawn(
+            name,
+            [sys.executable, "-m", "controlplane.cli", "--etcd", self.etcd_url, "--config",
+             str(config), "--id", name, "--port", "0", "--log-level", "WARNING"],
+            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3"},
+        )  # fmt: skip
+        self.controllers[name] = self.ready(p)
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(timeout=10)
+            if p.proc.poll() is None:
+                p.proc.kill()
+            if p.proc.stdout is not None:
+                p.proc.stdout.close()
+            p.log.close()
+
+
+async def _traffic(fleet: Fleet, stop: asyncio.Event) -> None:
+    """A steady trickle of chat requests into every live region's agent."""
+    async with aiohttp.ClientSession() as session:
+
+        async def one(region: str) -> None:
+            agent = fleet.agents.get(region)
+            if agent is None or agent.proc.poll() is not None:
+                return
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"hello from {region}"}],
+                "max_tokens": 16,
+            }
+            try:
+                async with session.post(f"{agent.url}/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    key = fleet.ok if r.status == 200 else fleet.failed
+            except aiohttp.ClientError:
+                key = fleet.failed
+            key[region] = key.get(region, 0) + 1
+
+        while not stop.is_set():
+            await asyncio.gather(*(one(r) for r in REGIONS for _ in range(2)))
+            await asyncio.sleep(0.2)
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+        return await r.json()
+
+
+async def _show(
+    fleet: Fleet, session: aiohttp.ClientSession, seen: set[str], t0: float
+) -> dict[str, Any]:
+    live = [c for c in fleet.controllers.values() if c.proc.poll() is None]
+    if not live:
+        return {}
+    base = live[0].url
+    regions = (await _get(session, f"{base}/v1/regions"))["regions"]
+    plan = await _get(session, f"{base}/v1/plan")
+    leader = (await _get(session, f"{base}/v1/leader"))["leader"]
+    events = (await _get(session, f"{base}/v1/events"))["events"]
+    print(f"[{time.monotonic() - t0:5.1f}s] window {plan.get('window', 0):>3}  leader {leader}")
+    for region in REGIONS:
+        r = regions.get(region) or {}
+        h = r.get("health") or {}
+        d = r.get("desired") or {}
+        s = r.get("status") or {}
+        print(
+            f"   {region:9} {h.get('state', '-'):>10}  strikes {h.get('strikes', 0)}  "
+            f"weight {h.get('weight', 0) * 100:5.1f} %  capacity {s.get('capacity', 0):4.1f}  "
+            f"floor {d.get('capacity_floor', 0):4.1f}  served {fleet.ok.get(region, 0):>4}"
+        )
+    answers = "  ".join(
+        f"{geo}: " + ", ".join(f"{r} {w * 100:.0f}%" for r, w in sorted(shares.items()))
+        for geo, shares in sorted(plan.get("serving", {}).items())
+    )
+    print(f"   DNS answers  {answers}" + (f"   ALERT {plan['alert']}" if plan.get("alert") else ""))
+    for event in events:
+        key = json.dumps(event, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            if event["kind"] in ("state", "failover", "floor", "recovery", "alert", "residency"):
+                print(
+                    f"   event {event['kind']:9} {event.get('region') or '-':9} {event['reason']}"
+                )
+    return {"regions": regions, "plan": plan, "leader": leader}
+
+
+async def _run(fleet: Fleet) -> int:
+    w = fleet.window_s
+    stop = asyncio.Event()
+    traffic = asyncio.create_task(_traffic(fleet, stop))
+    seen: set[str] = set()
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+
+        async def windows(n: int) -> dict[str, Any]:
+            state: dict[str, Any] = {}
+            for _ in range(n):
+                await asyncio.sleep(w)
+                state = await _show(fleet, session, seen, t0)
+            return state
+
+        print("\n== 1. steady state: eu-north pre-warms to half of eu-west's capacity\n")
+        await windows(5)
+        print("\n== 2. eu-west's agent dies (SIGKILL)\n")
+        fleet.agents["eu-west"].stop(signal.SIGKILL)
+        state: dict[str, Any] = {}
+        for _ in range(12):
+            state = await windows(1)
+            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
+            if health.get("state") == "failed":
+                break
+        print("\n== 3. the leading controller dies (SIGKILL)\n")
+        leader = state.get("leader")
+        if leader in fleet.controllers:
+            fleet.controllers[leader].stop(signal.SIGKILL)
+        await windows(4)
+        print("\n== 4. eu-west's agent comes back: two good windows, then the ramp\n")
+        fleet.start_agent("eu-west")
+        for _ in range(15):
+            state = await windows(1)
+            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
+            if health.get("state") == "healthy" and health.get("weight") == 1.0:
+                break
+    stop.set()
+    await traffic
+    print(
+        f"\nDone. Requests served: {sum(fleet.ok.values())}, failed: {sum(fleet.failed.values())}. "
+        "While eu-west's agent was dead its clients were not sent anywhere here: DNS steering "
+        "(next) gives them eu-north's address from the plan's eu answer."
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--window-s", type=float, default=2.0, help="health window (seconds)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    args = parser.parse_args(argv)
+    if args.window_s < 1:
+        parser.error("--window-s must be at least 1")
+    work = Path(tempfile.mkdtemp(prefix="meridian-demo-"))
+    fleet = Fleet(work=work, window_s=args.window_s)
+    try:
+        print(
+            f"Starting etcd, 3 regions (7 simulated H100 nodes, 3 agents) and 2 controllers; "
+            f"windows of {args.window_s:g} s"
+        )
+        fleet.start_etcd()
+        for region in REGIONS:
+            fleet.start_region(region)
+            print(f"  {region}: agent {fleet.agents[region].url}")
+        for name in ("ctl-a", "ctl-b"):
+            fleet.start_controller(name)
+            print(f"  controller {name}: {fleet.controllers[name].url}")
+        return asyncio.run(_run(fleet))
+    finally:
+        fleet.stop_all()
+        if args.keep_logs:
+            print(f"Logs of every process: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
