@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pydantic
-from aiohttp import web
 
+import service
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
 
@@ -66,28 +64,16 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _serve(settings: controller_settings.ControllerSettings) -> None:
-    app = create_app(settings)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
-    await site.start()
-    sockets = getattr(site._server, "sockets", None) or []
-    port = sockets[0].getsockname()[1] if sockets else settings.server.port
-    log.info(
-        "meridian-controller id=%s url=http://%s:%d etcd=%s window_s=%g strikes=%d",
-        settings.election.id, settings.server.host, port, ",".join(settings.etcd.endpoints),
-        settings.failover.window_s, settings.failover.strikes,
-    )  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    print(f"READY http://{settings.server.host}:{port}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    def ready(port: int) -> None:
+        log.info(
+            "meridian-controller id=%s url=http://%s:%d etcd=%s window_s=%g strikes=%d",
+            settings.election.id, settings.server.host, port, ",".join(settings.etcd.endpoints),
+            settings.failover.window_s, settings.failover.strikes,
+        )  # fmt: skip
+
+    await service.serve(
+        create_app(settings), host=settings.server.host, port=settings.server.port, on_ready=ready
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,13 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
+import service
 from wire.models import REGION_ID, RESIDENCY_TAG
 
 
@@ -170,22 +166,5 @@ class ControllerSettings(BaseSettings):
 def load(
     *, config_file: Path | None = None, overrides: dict[str, Any] | None = None
 ) -> ControllerSettings:
-    if config_file is not None and not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist")
-
-    class _Loaded(ControllerSettings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-            if config_file is not None:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
-            return tuple(sources)
-
-    return _Loaded(**(overrides or {}))
+    """Settings from flags (``overrides``) > environment > ``config_file`` > defaults."""
+    return service.load_settings(ControllerSettings, config_file=config_file, overrides=overrides)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
+import service
 from simulator import node, profile
 
 log = logging.getLogger("meridian.sim")
@@ -76,30 +75,16 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
         logging.shutdown()
         os._exit(3)
 
+    def ready(bound: int) -> None:
+        p = config.profile
+        log.info(
+            "meridian-sim node listening url=http://%s:%d model=%s profile=%s block_size=%d "
+            "num_gpu_blocks=%d time_scale=%g",
+            host, bound, config.model, p.name, p.block_size, p.num_gpu_blocks, config.time_scale,
+        )  # fmt: skip
+
     app = node.create_app(config, exit_hook=exit_now)
-    runner, bound = await node.start(app, host=host, port=port)
-    p = config.profile
-    log.info(
-        "meridian-sim node listening url=http://%s:%d model=%s profile=%s block_size=%d "
-        "num_gpu_blocks=%d time_scale=%g",
-        host,
-        bound,
-        config.model,
-        p.name,
-        p.block_size,
-        p.num_gpu_blocks,
-        config.time_scale,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    print(f"READY http://{host}:{bound}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await service.serve(app, host=host, port=port, handler_cancellation=True, on_ready=ready)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
