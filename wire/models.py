@@ -123,12 +123,16 @@ class FleetPlan(_Value):
 
 
 class GroupTable(_Value):
-    """One routing group of a region: hash buckets → the GPU group that serves them."""
+    """One range of a region's routing table (``routing/<r>/groups/<kind>-<first>``): the hash
+    buckets ``[first, end)`` of prefix or session keys are served by GPU group ``owner``
+    (``policies.groups``).  Written by agents, debounced, under their lease."""
 
     region: str
-    group: str
-    buckets: list[int] = Field(default_factory=list)
     kind: Literal["prefix", "session"] = "prefix"
+    first: int = Field(ge=0)
+    end: int = Field(gt=0)
+    owner: str
+    agent: str = ""
     updated_at: float
 
 
