@@ -1,7 +1,9 @@
 """``create_app(settings)``: the agent's aiohttp application and its background tasks.
 
-Background tasks (telemetry scrapes, health probes, model discovery, drain supervision) start
-from ``cleanup_ctx`` through one guard that logs a crash, and stop with the app.
+Background tasks (telemetry scrapes, health probes, model discovery, drain supervision; with a
+region and etcd set, the publisher's liveness, status and desired-state loops; with an
+actuator set, the autoscaler) start from ``cleanup_ctx`` through one guard that logs a crash,
+and stop with the app.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from aiohttp import web
 
 from policies import admission, routing
 from policies.model import AdminState
-from regional_agent import admin
+from regional_agent import admin, autoscaler
 from regional_agent.app_state import AGENT, Agent
 from regional_agent.clock import Clock, MonotonicClock
 from regional_agent.discovery import make_node, refresh_models
@@ -26,7 +28,9 @@ from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.proxy import handlers
+from regional_agent.publisher import Publisher, Store
 from regional_agent.queue import Dispatcher
+from regional_agent.retry import Backoff, supervise
 from regional_agent.settings import Settings
 from regional_agent.telemetry import Scraper
 from regional_agent.upstream import NodeClient
@@ -85,6 +89,16 @@ def create_app(
         ),
         routing_config=config,
     )
+    agent.autoscaler = autoscaler.create(
+        agent, settings.autoscaler, region=settings.region.id, rng=random.Random(rng.random())
+    )
+    if settings.region.publishing:
+        agent.publisher = Publisher(
+            agent=agent,
+            store=Store(endpoints=settings.region.etcd, timeout_s=settings.region.etcd_timeout_s),
+            settings=settings.region,
+            rng=random.Random(rng.random()),
+        )
     app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
     app[AGENT] = agent
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -176,12 +190,25 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         _spawn("models", _models_loop(agent)),
         _spawn("drain", _drain_loop(agent)),
     ]
+    publisher, scaler = agent.publisher, agent.autoscaler
+    if scaler is not None:
+        tasks.append(_spawn("autoscaler", _supervised(agent, "autoscaler", scaler.run)))
+    if publisher is not None:
+        tasks += [
+            _spawn("alive", _supervised(agent, "alive", publisher.alive_loop)),
+            _spawn("status", _supervised(agent, "status", publisher.status_loop)),
+            _spawn("desired", _supervised(agent, "desired", publisher.desired_loop)),
+        ]
     yield
     for task in tasks:
         task.cancel()
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if publisher is not None:
+        await publisher.close()
+    if scaler is not None:
+        await scaler.close()
     await agent.client.close()
     agent.instruments.shutdown()
 
@@ -195,6 +222,12 @@ def _spawn(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 
     task.add_done_callback(done)
     return task
+
+
+def _supervised(
+    agent: Agent, name: str, loop: Callable[[], Coroutine[Any, Any, None]]
+) -> Coroutine[Any, Any, None]:
+    return supervise(name, loop, backoff=Backoff(base_s=1.0, max_s=30.0, rng=agent.rng))
 
 
 async def _models_loop(agent: Agent) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -16,6 +17,10 @@ from regional_agent.queue import Dispatcher
 from regional_agent.settings import Settings
 from regional_agent.telemetry import Scraper
 from regional_agent.upstream import NodeClient
+
+if TYPE_CHECKING:  # both need the Agent: imported for types only
+    from regional_agent.autoscaler import Autoscaler
+    from regional_agent.publisher import Publisher
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,6 +36,8 @@ class Agent:
     instruments: Instruments
     budget: admission.RetryBudget
     routing_config: routing.RoutingConfig
+    publisher: Publisher | None = None  # set when region.id and region.etcd are
+    autoscaler: Autoscaler | None = None  # set unless autoscaler.actuator is "none"
 
 
 AGENT = web.AppKey("agent", Agent)

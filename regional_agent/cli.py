@@ -1,7 +1,12 @@
 """``meridian-agent``: the region's OpenAI-compatible routing proxy.
 
     meridian-agent --port 8080 --node http://127.0.0.1:8001 --node http://127.0.0.1:8002 \\
-                   [--policy meridian] [--config agent.toml] [--admin-token TOKEN]
+                   [--policy meridian] [--config agent.toml] [--admin-token TOKEN] \\
+                   [--region eu-west --geo eu --residency eu --endpoint https://eu.example.com \\
+                    --etcd http://10.0.0.1:2379,http://10.0.0.2:2379 [--actuator dry-run]]
+
+With ``--region`` and ``--etcd`` the agent publishes its liveness and status to etcd and follows
+the controller's desired state for the region (docs/agent-publisher.md).
 
 Flags override the environment (``MERIDIAN_AGENT_...``), which overrides the TOML file, which
 overrides the defaults (docs/agent.md lists every setting).
@@ -38,6 +43,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", help="routing policy (routing.policy)")
     p.add_argument("--admin-token", help="bearer token for /admin/* (admin.token)")
+    p.add_argument("--region", help="region id, e.g. eu-west (region.id)")
+    p.add_argument("--geo", help="geography the region serves, e.g. eu (region.geo)")
+    p.add_argument(
+        "--residency", metavar="TAG[,TAG]", help="data-residency tags (region.residency)"
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL[,URL]",
+        help="client-facing URL of the region (region.endpoints; repeat or comma-separate)",
+    )
+    p.add_argument(
+        "--etcd",
+        action="append",
+        default=[],
+        metavar="URL[,URL]",
+        help="etcd client URL (region.etcd; repeat or comma-separate)",
+    )
+    p.add_argument(
+        "--actuator",
+        choices=["none", "dry-run", "command", "simulator"],
+        help="what to do with the controller's capacity floor (autoscaler.actuator)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -53,7 +82,26 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["routing"] = {"policy": args.policy}
     if args.admin_token is not None:
         out["admin"] = {"token": args.admin_token}
+    region: dict[str, Any] = {}
+    if args.region is not None:
+        region["id"] = args.region
+    if args.geo is not None:
+        region["geo"] = args.geo
+    if args.residency is not None:
+        region["residency"] = _split(args.residency)
+    if args.endpoint:
+        region["endpoints"] = _split(*args.endpoint)
+    if args.etcd:
+        region["etcd"] = _split(*args.etcd)
+    if region:
+        out["region"] = region
+    if args.actuator is not None:
+        out["autoscaler"] = {"actuator": args.actuator}
     return out
+
+
+def _split(*values: str) -> list[str]:
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def _explain(exc: pydantic.ValidationError) -> str:
@@ -80,6 +128,19 @@ async def _serve(settings: agent_settings.Settings) -> None:
         settings.routing.policy,
         len(settings.nodes),
     )
+    region = settings.region
+    if region.publishing:
+        log.info(
+            "publishing region=%s geo=%s etcd=%s lease_ttl_s=%d window_s=%g actuator=%s",
+            region.id,
+            region.geo,
+            ",".join(region.etcd),
+            region.lease_ttl_s,
+            region.window_s,
+            settings.autoscaler.actuator,
+        )
+    elif region.id is not None:
+        log.warning("region=%s set without etcd: not publishing (pass --etcd URL)", region.id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -105,9 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
-    if not settings.nodes:
+    autoscaled = settings.region.publishing and settings.autoscaler.actuator == "simulator"
+    if not settings.nodes and not autoscaled:
         print(
-            "meridian-agent: no nodes: pass --node URL (repeat) or set nodes in --config",
+            "meridian-agent: no nodes: pass --node URL (repeat) or set nodes in --config "
+            "(or let the simulator actuator start them: --region, --etcd, --actuator simulator)",
             file=sys.stderr,
         )
         return 2

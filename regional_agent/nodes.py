@@ -100,6 +100,15 @@ class NodePool:
     def views(self, *, now: float) -> list[NodeView]:
         return [self.view(node, now=now) for node in self._nodes.values()]
 
+    def serving(self, *, now: float) -> list[NodeView]:
+        """Views of the nodes that count as the region's serving capacity: active (not
+        draining) and healthy (not on probation, ejected or failing probes)."""
+        return [
+            v
+            for v in self.views(now=now)
+            if v.admin is AdminState.ACTIVE and v.health is Health.HEALTHY
+        ]
+
     def view(self, node: Node, *, now: float) -> NodeView:
         return NodeView(
             node_id=node.node_id,

@@ -8,8 +8,9 @@ naming the field.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -181,6 +182,157 @@ class TelemetryExportSettings(_Group):
     console_spans: bool = Field(False, description="print OpenTelemetry spans to stderr")
 
 
+_REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as wire.models.REGION_ID
+_RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as wire.models.RESIDENCY_TAG
+
+
+def _url(value: str, *, schemes: tuple[str, ...]) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ValueError(f"must be a {'/'.join(schemes)} URL with a host, got {value!r}")
+    return value.rstrip("/")
+
+
+class RegionSettings(_Group):
+    """The region this agent serves and how it reports to the global control plane (etcd).
+
+    The agent publishes only when both ``id`` and ``etcd`` are set; otherwise it is a plain
+    regional proxy (docs/agent-publisher.md).
+    """
+
+    id: str | None = Field(
+        None, description="region id, e.g. eu-west (lowercase letters, digits, dashes)"
+    )
+    geo: str | None = Field(
+        None, description="the geography the region serves, e.g. eu; required with id"
+    )
+    residency: list[str] = Field(
+        default_factory=list, description="data-residency tags the region meets, e.g. ['eu']"
+    )
+    endpoints: list[str] = Field(
+        default_factory=list, description="client-facing URLs of the region (for DNS)"
+    )
+    etcd: list[str] = Field(
+        default_factory=list,
+        description="etcd client URLs, e.g. http://10.0.0.1:2379; tried in turn when one fails",
+    )
+    agent_id: str | None = Field(
+        None, description="this agent's id in the status; default hostname-pid"
+    )
+    lease_ttl_s: int = Field(
+        10, ge=2, description="TTL of the liveness lease, whole seconds; refreshed every TTL/3"
+    )
+    window_s: float = Field(
+        30.0, gt=0, description="status heartbeat: rewritten at least this often (seconds)"
+    )
+    min_interval_s: float = Field(
+        1.0, gt=0, description="status is never written more often than this (debounce, seconds)"
+    )
+    load_change: float = Field(
+        0.25, gt=0, description="relative move of a load figure that counts as a change (0.25)"
+    )
+    load_min_interval_s: float = Field(
+        5.0, gt=0, description="a change of load alone rewrites the status at most this often (s)"
+    )
+    etcd_timeout_s: float = Field(2.0, gt=0, description="timeout of one etcd call (seconds)")
+    retry_base_s: float = Field(
+        0.5, gt=0, description="first retry after an etcd failure (seconds; doubles, jittered)"
+    )
+    retry_max_s: float = Field(5.0, gt=0, description="longest wait between etcd retries (s)")
+
+    @field_validator("id")
+    @classmethod
+    def _region_id(cls, value: str | None) -> str | None:
+        if value is not None and not _REGION_ID.match(value):
+            raise ValueError(
+                f"region id {value!r} must be 1-63 lowercase letters, digits and dashes"
+            )
+        return value
+
+    @field_validator("residency")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        for tag in value:
+            if not _RESIDENCY_TAG.match(tag):
+                raise ValueError(
+                    f"residency tag {tag!r} must be 1-32 lowercase letters, digits and dashes"
+                )
+        return value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str]) -> list[str]:
+        return [_url(v, schemes=("http", "https")) for v in value]
+
+    @field_validator("etcd")
+    @classmethod
+    def _etcd(cls, value: list[str]) -> list[str]:
+        out = []
+        for v in value:
+            if v.startswith("https://"):
+                raise ValueError(f"TLS to etcd is not supported yet: use an http URL, got {v!r}")
+            out.append(_url(v, schemes=("http",)))
+        return out
+
+    @model_validator(mode="after")
+    def _complete(self) -> RegionSettings:
+        if self.id is not None and not self.geo:
+            raise ValueError("region.geo is required when region.id is set")
+        if self.etcd and self.id is None:
+            raise ValueError("region.etcd is set but region.id is not: name the region")
+        if self.retry_max_s < self.retry_base_s:
+            raise ValueError("region.retry_max_s must be >= region.retry_base_s")
+        return self
+
+    @property
+    def publishing(self) -> bool:
+        """Whether the agent publishes to etcd: a region id and at least one etcd URL."""
+        return self.id is not None and bool(self.etcd)
+
+
+class AutoscalerSettings(_Group):
+    """What the agent does with the capacity floor the controller asks of it."""
+
+    actuator: Literal["none", "dry-run", "command", "simulator"] = Field(
+        "none",
+        description="none (ignore the floor), dry-run (log only), command (run a hook), "
+        "simulator (start meridian-sim nodes)",
+    )
+    interval_s: float = Field(2.0, gt=0, description="seconds between checks of the floor")
+    scale_down_delay_s: float = Field(
+        60.0,
+        ge=0,
+        description="capacity must exceed the floor by a node for this long before one of the "
+        "nodes the autoscaler started is stopped (seconds)",
+    )
+    command: list[str] = Field(
+        default_factory=list,
+        description="command actuator: argv run when the floor changes; {floor}, {current} and "
+        "{region} are replaced",
+    )
+    command_timeout_s: float = Field(60.0, gt=0, description="command actuator: time limit (s)")
+    profile: str = Field(
+        "h100-llama3-8b", description="simulator actuator: meridian-sim profile of new nodes"
+    )
+    model: str | None = Field(
+        None, description="simulator actuator: model the new nodes serve; default the profile's"
+    )
+    time_scale: float = Field(1.0, gt=0, description="simulator actuator: --time-scale of nodes")
+    node_weight: float = Field(
+        1.0, gt=0, description="simulator actuator: capacity of one new node (H100 = 1.0)"
+    )
+    max_nodes: int = Field(4, ge=0, description="simulator actuator: most nodes it runs at once")
+    start_timeout_s: float = Field(
+        30.0, gt=0, description="simulator actuator: time a node gets to print READY (seconds)"
+    )
+
+    @model_validator(mode="after")
+    def _command_given(self) -> AutoscalerSettings:
+        if self.actuator == "command" and not self.command:
+            raise ValueError("autoscaler.command is required with autoscaler.actuator = 'command'")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MERIDIAN_AGENT_",
@@ -199,6 +351,8 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     admin: AdminSettings = AdminSettings()
     otel: TelemetryExportSettings = TelemetryExportSettings()
+    region: RegionSettings = RegionSettings()
+    autoscaler: AutoscalerSettings = AutoscalerSettings()
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> Settings:

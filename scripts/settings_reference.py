@@ -44,7 +44,8 @@ def render() -> str:
         "not edit by hand. Set them in the TOML file given with `--config` (`[group]` tables,",
         "`[[nodes]]` entries), as environment variables (`MERIDIAN_AGENT_<GROUP>__<FIELD>`, e.g.",
         "`MERIDIAN_AGENT_QUEUE__MAX_DEPTH=200`), or with the flags `--host`, `--port`, `--node`,",
-        "`--policy` and `--admin-token`. Flags win over the environment, which wins over the file.",
+        "`--policy`, `--admin-token`, `--region`, `--geo`, `--residency`, `--endpoint`, `--etcd`",
+        "and `--actuator`. Flags win over the environment, which wins over the file.",
         "",
     ]
     for name, field in Settings.model_fields.items():

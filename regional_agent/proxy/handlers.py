@@ -367,7 +367,7 @@ async def _relay_stream(
         ) from None
     now = time.monotonic()
     agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=agent.clock.now())
-    agent.instruments.ttft.record(now - arrived)
+    agent.instruments.record_ttft(now - arrived)
     response = web.StreamResponse(
         status=up.status,
         headers={"Content-Type": up.content_type, "Cache-Control": "no-cache"},

@@ -1,0 +1,269 @@
+"""The simulator actuator: capacity from ``meridian-sim node`` processes the agent runs itself.
+
+Below the floor it starts ``python -m simulator.cli node --port 0 --profile P --time-scale X``
+processes (as many as the deficit needs, at most ``autoscaler.max_nodes`` at once), reads the
+``READY http://...`` line each prints, and adds the node to the pool by the path the admin API
+uses (``discovery.make_node``, ``pool.add``, ``refresh_models``).  Above the floor it scales down
+as ``plan.step`` says — one node at a time, after a delay — draining the node first (its
+in-flight requests finish, up to ``health.drain_timeout_s``) and only then removing it and
+stopping its process.  It never touches a node it did not start; every node it started is
+stopped when the agent stops, and a node whose process exits is taken out of the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import shutil
+import sys
+from dataclasses import dataclass
+
+from policies.model import AdminState, Health, NodeId
+from regional_agent.app_state import Agent
+from regional_agent.autoscaler import plan
+from regional_agent.discovery import make_node, refresh_models
+from regional_agent.errors import ActuatorError
+from regional_agent.settings import AutoscalerSettings, NodeSettings
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 5.0
+
+
+@dataclass(slots=True, kw_only=True)
+class Started:
+    """A node this actuator started."""
+
+    node_id: NodeId
+    url: str
+    process: asyncio.subprocess.Process
+    started_s: float
+    draining_since: float | None = None
+
+
+class SimulatorActuator:
+    name = "simulator"
+
+    def __init__(self, *, agent: Agent, settings: AutoscalerSettings) -> None:
+        self._agent = agent
+        self._settings = settings
+        self.started: dict[NodeId, Started] = {}
+        self._excess_since: float | None = None
+        self._seeds = itertools.count(1)
+        self._said: str | None = None
+        # Linux: the node gets SIGTERM if the agent dies without stopping it.
+        setpriv = shutil.which("setpriv")
+        self._prefix = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+
+    # -- Actuator --------------------------------------------------------------------------------
+
+    async def ensure(self, *, floor: float, current: float) -> None:
+        now = self._agent.clock.now()
+        await self._reap(now=now)
+        active = [s for s in self.started.values() if s.draining_since is None]
+        draining = [s for s in self.started.values() if s.draining_since is not None]
+        victim = self._victim(active, now=now)
+        step = plan.step(
+            floor=floor,
+            current=current,
+            node_weight=self._settings.node_weight,
+            room=len(draining) + max(0, self._settings.max_nodes - len(self.started)),
+            victim_weight=None if victim is None else victim[1],
+            excess_since=self._excess_since,
+            now=now,
+            scale_down_delay_s=self._settings.scale_down_delay_s,
+        )
+        self._excess_since = step.excess_since
+        if step.kind != self._said and (self._said is not None or step.kind != "met"):
+            level = logging.WARNING if step.kind == "short" else logging.INFO
+            log.log(level, 'autoscaler floor=%g: "%s"', floor, step.reason)
+        self._said = step.kind
+        if step.stop and victim is not None:
+            self._drain(victim[0], now=now, reason=step.reason)
+        if step.start:
+            await self._bring(step.start, draining, floor=floor, current=current)
+
+    async def close(self) -> None:
+        started = list(self.started.values())
+        await asyncio.gather(*(self._stop(s, why="the agent is stopping") for s in started))
+
+    # -- scaling up ------------------------------------------------------------------------------
+
+    async def _bring(
+        self, n: int, draining: list[Started], *, floor: float, current: float
+    ) -> None:
+        for s in draining[:n]:
+            node = self._agent.pool.get(s.node_id)
+            if node is not None:
+                node.admin = AdminState.ACTIVE
+                node.drain_started_s = None
+                s.draining_since = None
+                self._agent.pool.notify()
+                log.info("autoscaler kept node=%s (undrained): floor=%g", s.node_id, floor)
+                n -= 1
+        if n <= 0:
+            return
+        results = await asyncio.gather(*(self._start() for _ in range(n)), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, Started):
+                log.info(
+                    "autoscaler started node=%s url=%s profile=%s floor=%g capacity_before=%g",
+                    r.node_id,
+                    r.url,
+                    self._settings.profile,
+                    floor,
+                    current,
+                )
+        for failure in failures:
+            if not isinstance(failure, ActuatorError):
+                raise failure
+        if failures:
+            raise ActuatorError(
+                f"{len(failures)} of {len(results)} node(s) did not start: {failures[0]}"
+            )
+
+    async def _start(self) -> Started:
+        s = self._settings
+        seed = next(self._seeds)
+        argv = [
+            *self._prefix,
+            sys.executable,
+            "-m",
+            "simulator.cli",
+            "node",
+            "--port",
+            "0",
+            "--profile",
+            s.profile,
+            "--time-scale",
+            f"{s.time_scale:g}",
+            "--seed",
+            str(seed),
+            "--log-level",
+            "WARNING",
+        ]
+        if s.model:
+            argv += ["--model", s.model]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
+            )
+        except OSError as exc:
+            raise ActuatorError(f"cannot start meridian-sim: {exc}") from exc
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(s.start_timeout_s):
+                line = (await process.stdout.readline()).decode(errors="replace").strip()
+        except TimeoutError:
+            await _terminate(process)
+            raise ActuatorError(
+                f"meridian-sim did not print READY within {s.start_timeout_s:g} s"
+            ) from None
+        except BaseException:
+            await _terminate(process)
+            raise
+        if not line.startswith("READY "):
+            await _terminate(process)
+            raise ActuatorError(
+                f"meridian-sim did not start (exit status {process.returncode}, said {line!r}); "
+                f"check autoscaler.profile={s.profile!r}"
+            )
+        url = line.split()[1]
+        node = make_node(
+            NodeSettings(url=url, weight=s.node_weight),
+            default_slots=self._agent.settings.queue.slots_per_node,
+        )
+        if node.node_id in self._agent.pool:
+            await _terminate(process)
+            raise ActuatorError(f"node {node.node_id} is already in the pool")
+        started = Started(
+            node_id=node.node_id, url=url, process=process, started_s=self._agent.clock.now()
+        )
+        self.started[node.node_id] = started
+        self._agent.pool.add(node)
+        await refresh_models(self._agent, [node])
+        return started
+
+    # -- scaling down ----------------------------------------------------------------------------
+
+    def _victim(self, active: list[Started], *, now: float) -> tuple[Started, float] | None:
+        """The own node to stop next and what it adds to capacity: an unhealthy one first,
+        else the newest."""
+        if not active:
+            return None
+        best: tuple[Started, float] | None = None
+        for s in sorted(active, key=lambda s: s.started_s, reverse=True):
+            node = self._agent.pool.get(s.node_id)
+            if node is None:
+                continue
+            healthy = self._agent.pool.health.state(s.node_id, now=now) is Health.HEALTHY
+            if not healthy:
+                return s, 0.0
+            if best is None:
+                best = (s, node.weight)
+        return best
+
+    def _drain(self, s: Started, *, now: float, reason: str) -> None:
+        node = self._agent.pool.get(s.node_id)
+        s.draining_since = now
+        if node is not None:
+            node.admin = AdminState.DRAINING
+            node.drain_started_s = now
+            self._agent.pool.notify()
+        log.info(
+            'autoscaler draining node=%s in_flight=%d reason="%s"',
+            s.node_id,
+            0 if node is None else node.in_flight,
+            reason,
+        )
+
+    async def _reap(self, *, now: float) -> None:
+        """Stop drained nodes; take out nodes whose process exited."""
+        timeout_s = self._agent.settings.health.drain_timeout_s
+        for s in list(self.started.values()):
+            if s.process.returncode is not None:
+                log.warning(
+                    "autoscaled node exited node=%s status=%s: removed from the pool",
+                    s.node_id,
+                    s.process.returncode,
+                )
+                await self._stop(s, why="its process exited")
+                continue
+            if s.draining_since is None:
+                continue
+            node = self._agent.pool.get(s.node_id)
+            if node is None or node.in_flight == 0 or now - s.draining_since >= timeout_s:
+                await self._stop(s, why="drained")
+
+    async def _stop(self, s: Started, *, why: str) -> None:
+        agent = self._agent
+        node = agent.pool.remove(s.node_id)
+        agent.scraper.forget(s.node_id)
+        agent.health.forget(s.node_id)
+        agent.dispatcher.policy.forget_node(s.node_id)
+        await _terminate(s.process)  # still in self.started: close() ends it if we are cancelled
+        self.started.pop(s.node_id, None)
+        log.info(
+            "autoscaler stopped node=%s why=%s in_flight=%d",
+            s.node_id,
+            why,
+            0 if node is None else node.in_flight,
+        )
+
+
+async def _terminate(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            async with asyncio.timeout(_STOP_GRACE_S):
+                await process.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+    else:
+        await process.wait()

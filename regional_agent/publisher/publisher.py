@@ -1,0 +1,345 @@
+"""The publisher: the region's liveness and status in etcd, and the controller's wishes for it.
+
+Three loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
+
+* :meth:`Publisher.alive_loop` — ``regions/<r>/alive``: an empty value under a lease of
+  ``lease_ttl_s``, refreshed every TTL/3.  A lease etcd no longer knows (it expired during a
+  partition, or etcd lost its data) is granted again and the key put again.  About once a
+  window the key itself is read back, and put again if it is missing or under another lease.
+* :meth:`Publisher.status_loop` — ``regions/<r>/status``: a ``RegionStatus`` built once a
+  ``min_interval_s`` tick, written only when :func:`status.decide` says so (a change the
+  controller decides on, a large move of load, or the ``window_s`` heartbeat).
+* :meth:`Publisher.desired_loop` — ``regions/<r>/desired``: follows the controller's
+  ``RegionDesired``; the capacity floor goes to the autoscaler, the admin state is
+  acknowledged in the status.  A value that does not parse is logged with its key and ignored;
+  the last good one stays in force.
+
+Fail static: when etcd does not answer, the agent serves on what it knows.  Each loop retries
+with backoff and jitter; the change of state (etcd lost, etcd back) is logged once, not every
+retry; when etcd answers again, the lease and the status are put back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import Callable
+
+import pydantic
+
+from regional_agent.app_state import Agent
+from regional_agent.errors import LeaseLost, StoreError
+from regional_agent.publisher import status
+from regional_agent.publisher.load import LoadWindow
+from regional_agent.publisher.store import Change, LeaseId, Store
+from regional_agent.retry import Backoff
+from regional_agent.settings import RegionSettings
+from wire import keys
+from wire.models import RegionDesired, RegionStatus
+
+log = logging.getLogger(__name__)
+
+
+class Link:
+    """Whether etcd answers, as the loops find it; each change is logged once."""
+
+    def __init__(self, *, agent: Agent, region: str) -> None:
+        self._agent = agent
+        self._region = region
+        self.up: bool | None = None  # None: not tried yet
+        self.changes = 0  # how many times it went down or came back
+
+    def ok(self, endpoint: str) -> bool:
+        """etcd answered; returns whether it had been down (it came back)."""
+        came_back = self.up is False
+        if self.up is not True:
+            if came_back:
+                self.changes += 1
+                log.warning("etcd reachable again region=%s etcd=%s", self._region, endpoint)
+            else:
+                log.info("etcd reachable region=%s etcd=%s", self._region, endpoint)
+        self.up = True
+        self._agent.instruments.etcd_connected = True
+        return came_back
+
+    def failed(self, exc: StoreError) -> None:
+        if exc.stale:
+            return  # another call succeeded after this one failed: etcd answers
+        if self.up is not False:
+            self.changes += 1
+            log.warning(
+                "etcd unreachable region=%s error=%s: serving on what the agent knows, "
+                "retrying with backoff",
+                self._region,
+                exc.message,
+            )
+        self.up = False
+        self._agent.instruments.etcd_connected = False
+
+
+class Publisher:
+    def __init__(
+        self,
+        *,
+        agent: Agent,
+        store: Store,
+        settings: RegionSettings,
+        rng: random.Random,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._agent = agent
+        self._store = store
+        self._settings = settings
+        self._wall = wall
+        self._rng = rng
+        self.identity = status.Identity.of(
+            settings, agent_id=f"{socket.gethostname()}-{os.getpid()}"
+        )
+        self.region = self.identity.region
+        self._timing = status.Timing.of(settings)
+        self.link = Link(agent=agent, region=self.region)
+        self.window = LoadWindow(window_s=settings.window_s)
+        self.desired = RegionDesired()  # the last good value; defaults until one is read
+        self.desired_revision = 0
+        self.written: RegionStatus | None = None  # the last status written
+        self._written_at: float | None = None
+        self._force: str | None = None  # write the status at the next tick, for this reason
+        self._lease: LeaseId | None = None
+        self._grants = 0
+        self.writes: dict[str, int] = {"alive": 0, "status": 0}
+
+    # -- what others read --------------------------------------------------------------------
+
+    @property
+    def lease(self) -> LeaseId | None:
+        return self._lease
+
+    def floor(self) -> float:
+        """The capacity floor the agent honours: the desired one when an autoscaler acts on
+        it, else none."""
+        return self.desired.capacity_floor if self._agent.autoscaler is not None else 0.0
+
+    def observe(self) -> RegionStatus:
+        return status.observe(
+            self._agent,
+            identity=self.identity,
+            window=self.window.load(),
+            desired=self.desired,
+            floor=self.floor(),
+            wall_now=self._wall(),
+        )
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    async def alive_loop(self) -> None:
+        key = keys.alive(self.region)
+        ttl_s = self._settings.lease_ttl_s
+        refresh_s = ttl_s / 3
+        backoff = self._backoff()
+        checked_at = float("-inf")
+        while True:
+            try:
+                if self._lease is None:
+                    lease = await self._store.grant(ttl_s=ttl_s)
+                    await self._store.put(key, b"", lease=lease)
+                    self._wrote("alive")
+                    self._lease = lease
+                    checked_at = self._agent.clock.now()
+                    log.info(
+                        "liveness lease granted region=%s key=%s lease=%x ttl_s=%d",
+                        self.region,
+                        key,
+                        lease,
+                        ttl_s,
+                    )
+                    if self._grants:  # granted again: etcd may have lost the status too
+                        self._force = self._force or "lease granted again"
+                    self._grants += 1
+                else:
+                    await self._store.keep_alive(self._lease)
+                    now = self._agent.clock.now()
+                    if now - checked_at >= self._settings.window_s:
+                        await self._check_alive(key, self._lease)
+                        checked_at = now
+                self._answered()
+                backoff.reset()
+                delay_s = refresh_s
+            except LeaseLost as exc:
+                self._answered()
+                log.warning(
+                    "liveness lease lost region=%s lease=%x error=%s: granting a new one",
+                    self.region,
+                    self._lease or 0,
+                    exc.message,
+                )
+                self._lease = None
+                delay_s = 0.0
+            except StoreError as exc:
+                self.link.failed(exc)
+                delay_s = min(backoff.next_s(), refresh_s)
+            await asyncio.sleep(delay_s)
+
+    async def _check_alive(self, key: str, lease: LeaseId) -> None:
+        got = await self._store.get(key)
+        if got is None or got.lease != lease:
+            await self._store.put(key, b"", lease=lease)
+            self._wrote("alive")
+            log.warning(
+                "liveness key restored region=%s key=%s (it was %s)",
+                self.region,
+                key,
+                "missing" if got is None else f"under lease {got.lease:x}",
+            )
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def status_loop(self) -> None:
+        key = keys.status(self.region)
+        tick_s = self._settings.min_interval_s
+        backoff = self._backoff()
+        retry_at = float("-inf")
+        while True:
+            now = self._agent.clock.now()
+            self.window.sample(self._agent.instruments.totals, now=now)
+            if now >= retry_at:
+                current = self.observe()
+                since_s = float("inf") if self._written_at is None else now - self._written_at
+                reason = status.decide(
+                    written=self.written,
+                    current=current,
+                    since_write_s=since_s,
+                    force=self._force,
+                    timing=self._timing,
+                )
+                if reason is not None:
+                    try:
+                        await self._store.put(key, current.model_dump_json().encode())
+                    except StoreError as exc:
+                        self.link.failed(exc)
+                        retry_at = now + backoff.next_s()
+                        self._force = self._force or "etcd back"
+                    else:
+                        self._answered()
+                        backoff.reset()
+                        self._status_written(current, reason=reason, now=now)
+            await asyncio.sleep(tick_s)
+
+    def _status_written(self, current: RegionStatus, *, reason: str, now: float) -> None:
+        first = self.written is None
+        self.written = current
+        self._written_at = now
+        self._force = None
+        self._wrote("status")
+        level = logging.INFO if first or reason.startswith("changed") else logging.DEBUG
+        log.log(
+            level,
+            'region status written region=%s nodes=%d/%d capacity=%g floor=%g reason="%s"',
+            self.region,
+            current.nodes_healthy,
+            current.nodes_total,
+            current.capacity,
+            current.capacity_floor,
+            reason,
+        )
+
+    # -- desired -----------------------------------------------------------------------------
+
+    async def desired_loop(self) -> None:
+        key = keys.desired(self.region)
+        backoff = self._backoff()
+        while True:
+            try:
+                async with contextlib.aclosing(self._store.follow(key)) as changes:
+                    async for change in changes:
+                        self._answered()
+                        backoff.reset()
+                        self.apply_desired(key, change)
+            except StoreError as exc:
+                self.link.failed(exc)
+            await asyncio.sleep(backoff.next_s())
+
+    def apply_desired(self, key: str, change: Change) -> None:
+        """Take a new desired value; a malformed one is logged and ignored."""
+        if change.value is None:
+            desired = RegionDesired()
+            if self.desired_revision != 0 or change.revision != 0:
+                log.info(
+                    "desired value absent key=%s: defaults apply (active, no capacity floor)", key
+                )
+        else:
+            try:
+                desired = RegionDesired.model_validate_json(change.value)
+            except pydantic.ValidationError as exc:
+                log.warning(
+                    "malformed desired value ignored key=%s revision=%d error=%s: keeping "
+                    "admin=%s capacity_floor=%g generation=%d",
+                    key,
+                    change.revision,
+                    _problems(exc),
+                    self.desired.admin,
+                    self.desired.capacity_floor,
+                    self.desired.generation,
+                )
+                return
+        self.desired_revision = change.revision
+        if desired == self.desired:
+            return
+        before, self.desired = self.desired, desired
+        log.info(
+            "desired state region=%s admin=%s weight=%g capacity_floor=%g generation=%d "
+            'reason="%s"',
+            self.region,
+            desired.admin,
+            desired.weight,
+            desired.capacity_floor,
+            desired.generation,
+            desired.reason,
+        )
+        if desired.admin != before.admin and desired.admin != "active":
+            log.info(
+                "region %s is %s: DNS steers clients away; the agent keeps serving what reaches it",
+                self.region,
+                desired.admin,
+            )
+        if self._agent.autoscaler is not None:
+            self._agent.autoscaler.set_floor(desired.capacity_floor)
+
+    # -- stop --------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Revoke the lease (the alive key goes at once: a clean stop is not a failure to wait
+        out) and close the store.  Best effort: etcd may be down."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                await self._store.revoke(lease)
+                log.info("liveness lease revoked region=%s lease=%x", self.region, lease)
+            except StoreError as exc:
+                log.info("liveness lease not revoked (it expires) error=%s", exc.message)
+        await self._store.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _backoff(self) -> Backoff:
+        return Backoff(
+            base_s=self._settings.retry_base_s, max_s=self._settings.retry_max_s, rng=self._rng
+        )
+
+    def _answered(self) -> None:
+        if self.link.ok(self._store.endpoint) and self._force is None:
+            self._force = "etcd back"
+
+    def _wrote(self, kind: str) -> None:
+        self.writes[kind] += 1
+        self._agent.instruments.count_store_write(kind=kind)
+
+
+def _problems(exc: pydantic.ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
+    )

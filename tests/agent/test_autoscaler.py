@@ -1,0 +1,295 @@
+"""The autoscaler: the controller's capacity floor (``regions/<r>/desired`` in a real etcd)
+turned into capacity by the simulator actuator's ``meridian-sim`` processes; the dry-run and
+command actuators; the pure up-fast, down-slow plan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from regional_agent.autoscaler import Autoscaler, Command, DryRun, SimulatorActuator, plan
+from regional_agent.errors import ActuatorError
+from tests.agent import publishing
+from tests.agent.publishing import eventually, put_desired, region, status
+from tests.conftest import NodeFactory
+from tests.support import EtcdServer
+from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
+from wire.models import RegionStatus
+
+MODEL = "tiny-model"
+AUTOSCALER_LOG = "regional_agent.autoscaler"
+
+
+def _simulator(**overrides: object) -> dict[str, object]:
+    return {
+        "actuator": "simulator",
+        "profile": "cpu-tiny",
+        "time_scale": 20.0,
+        "max_nodes": 3,
+        "interval_s": 0.2,
+        "scale_down_delay_s": 0.5,
+        **overrides,
+    }
+
+
+def _actuator(handle: AgentHandle) -> SimulatorActuator:
+    scaler = handle.agent.autoscaler
+    assert scaler is not None and isinstance(scaler.actuator, SimulatorActuator)
+    return scaler.actuator
+
+
+async def _complete(url: str, n: int) -> list[int]:
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                await r.read()
+                out.append(r.status)
+    return out
+
+
+async def test_desired_floor_starts_sim_nodes_that_serve_then_scale_down_to_own_nodes(
+    etcd: EtcdServer, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    own_url = await sim_node(profile_name="cpu-tiny")
+    starter = AgentStarter()
+    try:
+        handle = await starter(
+            [own_url], policy="round_robin", region=region(etcd), autoscaler=_simulator()
+        )
+        scaler = handle.agent.autoscaler
+        actuator = _actuator(handle)
+        pool = handle.agent.pool
+        async with publishing.client(etcd) as c:
+            await eventually(lambda: status(c), what="the first status")
+            await put_desired(c, {"capacity_floor": 3, "generation": 1})
+
+            await eventually(lambda: len(pool) == 3, what="two nodes started", timeout_s=60)
+            assert scaler is not None and scaler.floor == 3
+            await eventually(lambda: scaler.current() >= 3, what="capacity 3")
+            assert len(actuator.started) == 2
+
+            async def published() -> RegionStatus | None:
+                got = await status(c)
+                return got[0] if got and got[0].capacity >= 3 else None
+
+            st = await eventually(published, what="capacity 3 in the status")
+            assert st.capacity_floor == 3 and st.nodes_healthy == 3
+
+            # the new nodes serve traffic
+            await eventually(lambda: pool.models() == {MODEL}, what="models known")
+            assert await _complete(handle.url, 12) == [200] * 12
+            for node_id in actuator.started:
+                node = pool.get(node_id)
+                assert node is not None and node.requests_total > 0, node_id
+
+            processes = [s.process for s in actuator.started.values()]
+            await put_desired(c, {"capacity_floor": 1, "generation": 2})
+            await eventually(
+                lambda: not actuator.started, what="the started nodes stopped", timeout_s=60
+            )
+            assert [n.url for n in pool] == [own_url]  # the node it did not start stays
+            assert all(p.returncode is not None for p in processes)
+            assert "autoscaler draining" in caplog.text and "autoscaler stopped" in caplog.text
+    finally:
+        await starter.close()
+
+
+async def test_autoscaler_respects_max_nodes_and_stops_its_nodes_with_the_agent(
+    etcd: EtcdServer, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    starter = AgentStarter()
+    try:
+        handle = await starter(
+            [await sim_node(profile_name="cpu-tiny")],
+            region=region(etcd),
+            autoscaler=_simulator(max_nodes=2, scale_down_delay_s=3600),
+        )
+        actuator = _actuator(handle)
+        async with publishing.client(etcd) as c:
+            await put_desired(c, {"capacity_floor": 10})
+            await eventually(
+                lambda: "no room for another node" in caplog.text, what="the warning", timeout_s=60
+            )
+        assert len(actuator.started) == 2 and len(handle.agent.pool) == 3
+        assert caplog.text.count("no room for another node") == 1  # said once, not every tick
+        processes = [s.process for s in actuator.started.values()]
+    finally:
+        await starter.close()
+    assert all(p.returncode is not None for p in processes)
+
+
+async def test_a_started_node_that_exits_is_removed_and_replaced(
+    start_agent: AgentFactory, sim_node: NodeFactory
+) -> None:
+    handle = await start_agent(
+        [await sim_node(profile_name="cpu-tiny")], autoscaler=_simulator(max_nodes=1)
+    )
+    scaler = handle.agent.autoscaler
+    actuator = _actuator(handle)
+    assert scaler is not None
+    scaler.set_floor(2)  # as the publisher does with the desired floor
+    first = await eventually(lambda: next(iter(actuator.started.values()), None), what="a node")
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{first.url}/admin/faults", json={"exit": True}) as r,
+    ):
+        assert r.status == 200
+    second = await eventually(
+        lambda: next((x for x in actuator.started.values() if x.url != first.url), None),
+        what="a replacement",
+        timeout_s=60,
+    )
+    assert first.node_id not in handle.agent.pool and second.node_id in handle.agent.pool
+
+
+async def test_without_an_actuator_no_floor_is_honoured(
+    etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await start_agent([await sim_node(profile_name="cpu-tiny")], region=region(etcd))
+    assert handle.agent.autoscaler is None
+    async with publishing.client(etcd) as c:
+        await put_desired(c, {"capacity_floor": 4, "generation": 3})
+
+        async def seen() -> RegionStatus | None:
+            got = await status(c)
+            return got[0] if got and got[0].observed_generation == 3 else None
+
+        st = await eventually(seen, what="generation 3 acknowledged")
+    assert st.capacity_floor == 0.0  # read, but nothing acts on it: the controller can tell
+    assert len(handle.agent.pool) == 1
+
+
+# -- dry run and command ----------------------------------------------------------------------
+
+
+async def test_dry_run_logs_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    dry = DryRun()
+    await dry.ensure(floor=3, current=1)
+    await dry.ensure(floor=3, current=1)
+    await dry.ensure(floor=3, current=3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "autoscaler dry run: would add capacity=2 to reach floor=3 (current=1)",
+        "autoscaler dry run: floor=3 met (current=3)",
+    ]
+
+
+async def test_command_runs_with_the_floor_when_it_changes(tmp_path: Path) -> None:
+    out = tmp_path / "calls.txt"
+    script = "import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + '\\n')"
+    command = Command(
+        argv=[sys.executable, "-c", script, str(out), "{region}", "{floor}", "{current}"],
+        timeout_s=30,
+        region="eu-west",
+    )
+    await command.ensure(floor=0, current=1)  # nothing asked yet: nothing run
+    await command.ensure(floor=2.5, current=1)
+    await command.ensure(floor=2.5, current=2)  # same floor: not again
+    await command.ensure(floor=0, current=2)
+    assert out.read_text().splitlines() == ["eu-west 2.5 1", "eu-west 0 2"]
+    assert command.runs == 2
+
+
+async def test_a_failing_command_is_retried_and_reported_once(
+    start_agent: AgentFactory, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    failing = Command(
+        argv=[sys.executable, "-c", "import sys; print('quota exceeded'); sys.exit(3)"],
+        timeout_s=30,
+        region=None,
+    )
+    with pytest.raises(ActuatorError, match="status 3: quota exceeded"):
+        await failing.ensure(floor=1, current=0)
+
+    handle = await start_agent(
+        [await sim_node(profile_name="cpu-tiny")],
+        autoscaler={
+            "actuator": "command",
+            "command": [sys.executable, "-c", "import sys; sys.exit(1)"],
+            "interval_s": 0.05,
+        },
+    )
+    scaler = handle.agent.autoscaler
+    assert isinstance(scaler, Autoscaler) and isinstance(scaler.actuator, Command)
+    scaler.set_floor(2)
+    await eventually(lambda: scaler.actuator.runs >= 3, what="retries")  # type: ignore[attr-defined]
+    assert caplog.text.count("autoscaler actuator failed") == 1
+    assert scaler.failing is not None
+
+
+def test_command_actuator_needs_a_command() -> None:
+    from regional_agent.settings import AutoscalerSettings
+
+    with pytest.raises(ValueError, match=r"autoscaler\.command is required"):
+        AutoscalerSettings(actuator="command")
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+_BASE = {
+    "node_weight": 1.0,
+    "room": 4,
+    "victim_weight": None,
+    "excess_since": None,
+    "now": 100.0,
+    "scale_down_delay_s": 60.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "expect"),
+    [
+        ({"floor": 3, "current": 1}, ("start", 2, 0, None)),
+        ({"floor": 2.5, "current": 1}, ("start", 2, 0, None)),  # whole nodes, rounded up
+        ({"floor": 3, "current": 1, "node_weight": 2.0}, ("start", 1, 0, None)),
+        ({"floor": 9, "current": 1, "room": 2}, ("start", 2, 0, None)),
+        ({"floor": 9, "current": 1, "room": 0}, ("short", 0, 0, None)),
+        ({"floor": 3, "current": 3}, ("met", 0, 0, None)),  # no own node: nothing to stop
+        ({"floor": 3, "current": 3.5, "victim_weight": 1.0}, ("met", 0, 0, None)),
+        ({"floor": 2, "current": 3, "victim_weight": 1.0}, ("excess", 0, 0, 100.0)),
+        (
+            {"floor": 2, "current": 3, "victim_weight": 1.0, "excess_since": 50.0},
+            ("excess", 0, 0, 50.0),
+        ),
+        (
+            {"floor": 2, "current": 3, "victim_weight": 1.0, "excess_since": 40.0},
+            ("stop", 0, 1, 100.0),  # a full delay over the floor: one node, then wait again
+        ),
+        (
+            {"floor": 0, "current": 0, "victim_weight": 0.0, "excess_since": 40.0},
+            ("stop", 0, 1, 100.0),  # an unhealthy own node adds nothing: it goes first
+        ),
+    ],
+)
+def test_plan_scales_up_fast_and_down_slowly(
+    case: dict[str, float], expect: tuple[str, int, int, float | None]
+) -> None:
+    step = plan.step(**{**_BASE, **case})  # type: ignore[arg-type]
+    assert (step.kind, step.start, step.stop, step.excess_since) == expect
+    assert step.reason
+
+
+async def test_set_floor_wakes_the_loop(start_agent: AgentFactory, sim_node: NodeFactory) -> None:
+    handle = await start_agent(
+        [await sim_node(profile_name="cpu-tiny")],
+        autoscaler={"actuator": "dry-run", "interval_s": 3600},
+    )
+    scaler = handle.agent.autoscaler
+    assert scaler is not None and isinstance(scaler.actuator, DryRun)
+    await asyncio.sleep(0.2)
+    scaler.set_floor(5)
+    await eventually(
+        lambda: scaler.actuator._said == (5, 4.0),  # type: ignore[attr-defined]
+        what="the actuator called at once, not an hour later",
+    )
