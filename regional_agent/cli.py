@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pydantic
-from aiohttp import web
 
+import service
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app
 
@@ -104,53 +102,29 @@ def _split(*values: str) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-def _explain(exc: pydantic.ValidationError) -> str:
-    lines = []
-    for e in exc.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "settings"
-        lines.append(f"  {where}: {e['msg']}")
-    return "invalid settings:\n" + "\n".join(lines)
-
-
 async def _serve(settings: agent_settings.Settings) -> None:
-    app = create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    port = sockets[0].getsockname()[1] if sockets else settings.server.port
-    log.info(
-        "meridian-agent listening url=http://%s:%d policy=%s nodes=%d",
-        settings.server.host,
-        port,
-        settings.routing.policy,
-        len(settings.nodes),
-    )
-    region = settings.region
-    if region.publishing:
+    def ready(port: int) -> None:
         log.info(
-            "publishing region=%s geo=%s etcd=%s lease_ttl_s=%d window_s=%g actuator=%s",
-            region.id,
-            region.geo,
-            ",".join(region.etcd),
-            region.lease_ttl_s,
-            region.window_s,
-            settings.autoscaler.actuator,
-        )
-    elif region.id is not None:
-        log.warning("region=%s set without etcd: not publishing (pass --etcd URL)", region.id)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    print(f"READY http://{settings.server.host}:{port}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+            "meridian-agent listening url=http://%s:%d policy=%s nodes=%d",
+            settings.server.host, port, settings.routing.policy, len(settings.nodes),
+        )  # fmt: skip
+        region = settings.region
+        if region.publishing:
+            log.info(
+                "publishing region=%s geo=%s etcd=%s lease_ttl_s=%d window_s=%g actuator=%s",
+                region.id, region.geo, ",".join(region.etcd), region.lease_ttl_s,
+                region.window_s, settings.autoscaler.actuator,
+            )  # fmt: skip
+        elif region.id is not None:
+            log.warning("region=%s set without etcd: not publishing (pass --etcd URL)", region.id)
+
+    await service.serve(
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        handler_cancellation=True,
+        on_ready=ready,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
     except pydantic.ValidationError as exc:
-        print(f"meridian-agent: {_explain(exc)}", file=sys.stderr)
+        print(f"meridian-agent: {service.explain(exc)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)

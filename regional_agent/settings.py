@@ -16,11 +16,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
+import service
 from policies import routing
 
 
@@ -366,22 +365,4 @@ class Settings(BaseSettings):
 
 def load(*, config_file: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Settings from flags (``overrides``) > environment > ``config_file`` > defaults."""
-    if config_file is not None and not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist")
-
-    class _Loaded(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-            if config_file is not None:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
-            return tuple(sources)
-
-    return _Loaded(**(overrides or {}))
+    return service.load_settings(Settings, config_file=config_file, overrides=overrides)
