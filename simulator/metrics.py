@@ -330,11 +330,11 @@ class NodeMetrics:
             return
         lv = self._labels
         scheduled = (
-            record.first_scheduled_s if record.first_scheduled_s is not None else record.arrival_s
+            record.first_scheduled_s if record.first_scheduled_s is not None else record.queued_s
         )
         self.ttft.labels(*lv).observe(record.first_token_s - record.arrival_s)
         self.e2e.labels(*lv).observe(record.finished_s - record.arrival_s)
-        self.queue.labels(*lv).observe(scheduled - record.arrival_s)
+        self.queue.labels(*lv).observe(scheduled - record.queued_s)
         self.inference.labels(*lv).observe(record.finished_s - scheduled)
         self.prefill.labels(*lv).observe(record.first_token_s - scheduled)
         self.decode.labels(*lv).observe(record.finished_s - record.first_token_s)

@@ -485,6 +485,10 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return web.Response(status=500)
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    arrival_s = state.now()
+    overhead_ms = state.config.profile.timing.request_overhead_ms
+    if overhead_ms > 0:  # the API server's and the engine hop's share of TTFT (profile.py)
+        await asyncio.sleep(overhead_ms / 1000.0 / state.config.time_scale)
     queue: asyncio.Queue[TokenEvent | RequestRecord] = asyncio.Queue()
     state.streams[request_id] = queue
     state.engine.add(
@@ -493,7 +497,8 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
         max_tokens=call.max_tokens,
         min_tokens=call.min_tokens,
         ignore_eos=call.ignore_eos,
-        now=state.now(),
+        now=max(state.now(), arrival_s),
+        arrival_s=arrival_s,
     )
     state.wake.set()
     done = False

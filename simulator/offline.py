@@ -47,19 +47,21 @@ def replay(
     steps = 0
     peak_kv = 0.0
     peak_waiting = 0
+    overhead_s = profile.timing.request_overhead_ms / 1000.0  # arrival -> engine queue
     while i < len(pending) or engine.has_unfinished:
-        while i < len(pending) and pending[i].time_s <= now:
+        while i < len(pending) and pending[i].time_s + overhead_s <= now:
             a = pending[i]
             engine.add(
                 f"r{i}",
                 a.prompt_token_ids,
                 max_tokens=a.max_tokens,
                 ignore_eos=a.ignore_eos,
-                now=a.time_s,
+                now=a.time_s + overhead_s,
+                arrival_s=a.time_s,
             )
             i += 1
         if not engine.has_unfinished:
-            now = pending[i].time_s
+            now = pending[i].time_s + overhead_s
             continue
         result = engine.step(now=now)
         steps += 1

@@ -7,12 +7,20 @@ node's KV cache is, how vLLM's scheduler is configured, and how long one engine 
             + interp(linear_tokens, linear_ms, tokens_in_step)          # GEMMs, norms, MLP
             + decode_attention_ms_per_1k_kv_tokens * kv_tokens_read / 1000
             + prefill_attention_ms_per_1m_token_pairs * token_pairs / 1e6
+            + decode_ms_per_seq * decoding_sequences                    # optional, default 0
 
 ``tokens_in_step`` is the number of tokens the step computes (prefill chunk tokens plus one per
 decoding sequence); ``kv_tokens_read`` is the sum of the context lengths of the decoding
 sequences; ``token_pairs`` is, for each prefill chunk of ``c`` tokens after ``p`` tokens already
 in the cache, ``c * p + c * c / 2`` (causal attention).  ``interp`` is piecewise-linear inside the
 table and linear extrapolation from the last two points beyond it.
+
+Two optional ``[timing]`` fields (default 0) carry what real vLLM on CPU showed
+(benchmarks/sim_fidelity.py): ``decode_ms_per_seq``, a cost per decoding sequence in a step
+(sampling, per-sequence attention and output handling, which on CPU cost far more than a prefill
+token), and ``request_overhead_ms``, the time between a request's arrival at the server and its
+entering the engine's queue (vLLM's API server and the hop to its engine-core process); it counts
+in TTFT and end-to-end latency, not in queue time.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class Timing:
     linear_ms: tuple[float, ...]
     decode_attention_ms_per_1k_kv_tokens: float
     prefill_attention_ms_per_1m_token_pairs: float
+    decode_ms_per_seq: float = 0.0
+    request_overhead_ms: float = 0.0
 
     def linear_cost_ms(self, tokens: int) -> float:
         xs, ys = self.linear_tokens, self.linear_ms
@@ -48,12 +58,20 @@ class Timing:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def step_ms(self, *, tokens_in_step: int, kv_tokens_read: int, token_pairs: float) -> float:
+    def step_ms(
+        self,
+        *,
+        tokens_in_step: int,
+        kv_tokens_read: int,
+        token_pairs: float,
+        decode_seqs: int = 0,
+    ) -> float:
         return (
             self.step_overhead_ms
             + self.linear_cost_ms(tokens_in_step)
             + self.decode_attention_ms_per_1k_kv_tokens * kv_tokens_read / 1_000
             + self.prefill_attention_ms_per_1m_token_pairs * token_pairs / 1_000_000
+            + self.decode_ms_per_seq * decode_seqs
         )
 
 
@@ -126,6 +144,10 @@ def _nonneg_float(table: dict[str, object], key: str, where: str) -> float:
     return value
 
 
+def _optional_nonneg_float(table: dict[str, object], key: str, where: str) -> float:
+    return _nonneg_float(table, key, where) if key in table else 0.0
+
+
 def parse(text: str, *, source: str) -> Profile:
     try:
         doc = tomllib.loads(text)
@@ -163,6 +185,8 @@ def parse(text: str, *, source: str) -> Profile:
         prefill_attention_ms_per_1m_token_pairs=_nonneg_float(
             timing_table, "prefill_attention_ms_per_1m_token_pairs", where_t
         ),
+        decode_ms_per_seq=_optional_nonneg_float(timing_table, "decode_ms_per_seq", where_t),
+        request_overhead_ms=_optional_nonneg_float(timing_table, "request_overhead_ms", where_t),
     )
     name = _field(doc, "name", str, source)
     description = _field(doc, "description", str, source)

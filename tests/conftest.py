@@ -6,6 +6,7 @@ fresh_etcd   function  an etcd of the test's own, for tests that stop it or need
 bind_server  session   one named for the whole run; tests must use names of their own
 bind         function  a named of the test's own, zones as loaded (SOA, NS, ns1 A)
 sim_node     function  a factory of in-process meridian-sim nodes: url = await sim_node(...)
+start_agent  function  a factory of in-process agents: handle = await start_agent(urls, ...)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from simulator import node, profile
 from tests.support import BindServer, EtcdServer, start_bind, start_etcd
+from tests.support.agent import AgentFactory, AgentStarter
 
 _LOOPBACK = ("127.0.0.1", "localhost")
 NodeFactory = Callable[..., Awaitable[str]]
@@ -92,3 +94,11 @@ async def sim_node() -> AsyncIterator[NodeFactory]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def start_agent() -> AsyncIterator[AgentFactory]:
+    """``handle = await start_agent(node_urls, policy="prefix_aware", queue={...})``."""
+    starter = AgentStarter()
+    yield starter
+    await starter.close()

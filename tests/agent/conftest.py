@@ -1,86 +1,22 @@
-"""Fixtures for agent tests: an in-process agent in front of simulated nodes, and simulated
-nodes as separate processes (for tests that kill one)."""
+"""Fixtures for agent tests: simulated nodes as separate processes (for tests that kill one).
+
+``start_agent`` (an in-process agent in front of any nodes) lives in tests/conftest.py, shared
+with the real-vLLM tests; its helpers are re-exported here for the tests that import them.
+"""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from aiohttp import web
 
-from regional_agent.app import create_app
-from regional_agent.app_state import AGENT, Agent
-from regional_agent.settings import Settings
+from tests.support.agent import ADMIN, ADMIN_TOKEN, FAST, AgentFactory, AgentHandle
 
-ADMIN_TOKEN = "test-admin-token"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-# Fast loops for tests; every other setting is the default.
-FAST: dict[str, Any] = {
-    "telemetry": {"scrape_interval_s": 0.1, "stale_after_s": 1.0, "models_refresh_s": 1.0},
-    "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5},
-}
-
-
-@dataclass
-class AgentHandle:
-    url: str
-    app: web.Application
-
-    @property
-    def agent(self) -> Agent:
-        return self.app[AGENT]
-
-
-AgentFactory = Callable[..., Awaitable[AgentHandle]]
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-@pytest.fixture
-async def start_agent() -> AsyncIterator[AgentFactory]:
-    """``handle = await start_agent(node_urls, policy="prefix_aware", queue={...})``."""
-    runners: list[web.AppRunner] = []
-
-    async def start(
-        node_urls: list[str], *, policy: str = "meridian", **groups: Any
-    ) -> AgentHandle:
-        values = _merge(
-            FAST,
-            {
-                "nodes": [{"url": u} for u in node_urls],
-                "routing": {"policy": policy},
-                "admin": {"token": ADMIN_TOKEN},
-            },
-        )
-        settings = Settings(**_merge(values, groups))
-        app = create_app(settings, seed=0)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        server = site._server
-        assert server is not None
-        port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        return AgentHandle(url=f"http://127.0.0.1:{port}", app=app)
-
-    yield start
-    for runner in reversed(runners):
-        await runner.cleanup()
+__all__ = ["ADMIN", "ADMIN_TOKEN", "FAST", "AgentFactory", "AgentHandle", "SimProcess"]
 
 
 @dataclass

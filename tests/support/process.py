@@ -106,6 +106,11 @@ class ServerProcess:
         self._signal_group(signal.SIGKILL)
         self._popen.wait()
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would. Idempotent."""
+        self._signal_group(signal.SIGKILL)
+        self._popen.wait()
+
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._popen.pid, sig)

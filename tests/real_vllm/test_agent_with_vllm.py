@@ -1,0 +1,288 @@
+"""The agent in front of real vLLM on CPU: the same claims tests/agent makes against simulated
+nodes, held against vLLM 0.32's own server, scheduler, prefix cache and ``/metrics``.
+
+The two session nodes are shared by every test here, so each test reads counters as deltas and
+uses prompts of its own. The tiny model's weights are random: its text is gibberish and it may
+sample end-of-sequence at any step, so tests that count tokens send ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.agent import ADMIN, AgentFactory, AgentHandle
+from tests.support.vllm import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, NUM_BLOCKS, VllmServer
+
+# Starting vLLM takes about half a minute and counts towards the first test's time.
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
+
+IGNORE_EOS: dict[str, Any] = {"ignore_eos": True}
+
+
+def _client(url: str, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+async def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``."""
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+async def _admin_nodes(handle: AgentHandle) -> dict[str, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(f"{handle.url}/admin/nodes", headers=ADMIN) as r:
+        assert r.status == 200
+        body = await r.json()
+    return {n["url"]: n for n in body["nodes"]}
+
+
+async def _token_count(url: str, text: str) -> int:
+    """What vLLM's own tokenizer makes of ``text`` (its BPE, not the agent's tokenizer)."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/tokenize", json={"model": MODEL_NAME, "prompt": text}) as r,
+    ):
+        assert r.status == 200
+        count: int = (await r.json())["count"]
+    return count
+
+
+async def test_chat_and_completions_streaming_and_not(
+    vllm_nodes: list[VllmServer], start_agent: AgentFactory
+) -> None:
+    urls = [n.url for n in vllm_nodes]
+    before = [await _metric(u, "vllm:request_success_total") for u in urls]
+    handle = await start_agent(urls, policy="round_robin")
+    async with _client(handle.url) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL_NAME]
+
+        reply = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=5,
+            extra_body=IGNORE_EOS,
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert isinstance(reply.choices[0].message.content, str)
+        assert reply.usage is not None and reply.usage.completion_tokens == 5
+
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "stream to me"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
+        roles, finish, usage = [], [], None
+        async for chunk in stream:
+            roles += [c.delta.role for c in chunk.choices if c.delta.role]
+            finish += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            usage = chunk.usage or usage
+        assert roles == ["assistant"]
+        assert finish == ["length"]
+        assert usage is not None and usage.completion_tokens == 6
+
+        completion = await client.completions.create(
+            model=MODEL_NAME, prompt="Once upon a time", max_tokens=3, extra_body=IGNORE_EOS
+        )
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage is not None and completion.usage.completion_tokens == 3
+
+        streamed = await client.completions.create(
+            model=MODEL_NAME,
+            prompt="The node cache",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
+        finish, usage = [], None
+        async for chunk in streamed:
+            finish += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            usage = chunk.usage or usage
+        assert finish == ["length"]
+        assert usage is not None and usage.completion_tokens == 4
+
+    nodes = await _admin_nodes(handle)
+    assert [nodes[u]["requests_total"] for u in urls] == [2, 2]  # round robin over both
+    assert all(nodes[u]["in_flight"] == 0 and nodes[u]["errors_total"] == 0 for u in urls)
+    after = [await _metric(u, "vllm:request_success_total") for u in urls]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
+
+
+async def test_telemetry_reads_both_nodes_real_metrics(
+    vllm_nodes: list[VllmServer], start_agent: AgentFactory
+) -> None:
+    urls = [n.url for n in vllm_nodes]
+    handle = await start_agent(urls, policy="least_connections")
+    async with _client(handle.url) as client:
+        for i in range(4):
+            await client.completions.create(
+                model=MODEL_NAME, prompt=f"telemetry {i}", max_tokens=2, extra_body=IGNORE_EOS
+            )
+    # the nodes are idle now: a fresh scrape shows the counters as they stand
+    queries = {u: await _metric(u, "vllm:prefix_cache_queries_total") for u in urls}
+    nodes: dict[str, dict[str, Any]] = {}
+    for _ in range(100):  # scrapes run every 0.1 s; give them up to 10 s
+        nodes = await _admin_nodes(handle)
+        telemetry = {u: nodes[u]["telemetry"] for u in urls}
+        if all(
+            t["prefix_queries_total"] == queries[u] and not t["stale"] for u, t in telemetry.items()
+        ):
+            break
+        await asyncio.sleep(0.1)
+    for url in urls:
+        telemetry = nodes[url]["telemetry"]
+        assert telemetry["stale"] is False, telemetry
+        assert telemetry["last_error"] is None, telemetry
+        assert telemetry["block_size"] == BLOCK_SIZE
+        assert telemetry["num_gpu_blocks"] == NUM_BLOCKS
+        assert telemetry["running"] == 0 and telemetry["waiting"] == 0
+        assert 0.0 <= telemetry["kv_util"] <= 1.0
+        assert telemetry["prefix_queries_total"] == queries[url] > 0
+        assert telemetry["scrapes_total"] >= 1
+        assert nodes[url]["health"]["state"] == "healthy"
+
+
+async def test_repeats_of_a_long_prompt_go_to_one_node_and_its_vllm_counts_the_hits(
+    vllm_nodes: list[VllmServer], start_agent: AgentFactory
+) -> None:
+    urls = [n.url for n in vllm_nodes]
+    text = " ".join(f"prefix{i % 37} routing test {i}" for i in range(30))
+    prompt_tokens = await _token_count(urls[0], text)
+    max_tokens = 2
+    # more than two whole blocks, and it fits the context with its output
+    assert prompt_tokens - 1 > 2 * BLOCK_SIZE and prompt_tokens + max_tokens <= MAX_MODEL_LEN
+    hit_per_repeat = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is computed
+
+    async def counters(url: str) -> tuple[float, float, float]:
+        return (
+            await _metric(url, "vllm:request_success_total"),
+            await _metric(url, "vllm:prefix_cache_queries_total"),
+            await _metric(url, "vllm:prefix_cache_hits_total"),
+        )
+
+    before = {u: await counters(u) for u in urls}
+    handle = await start_agent(urls, policy="prefix_aware")
+    repeats = 6
+    async with _client(handle.url) as client:
+        for _ in range(repeats):
+            reply = await client.completions.create(
+                model=MODEL_NAME, prompt=text, max_tokens=max_tokens, extra_body=IGNORE_EOS
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
+    delta = {
+        u: tuple(a - b for a, b in zip(await counters(u), before[u], strict=True)) for u in urls
+    }
+    (home,) = [u for u in urls if delta[u][0] > 0]
+    (other,) = [u for u in urls if u != home]
+    assert delta[home] == (repeats, repeats * prompt_tokens, (repeats - 1) * hit_per_repeat)
+    assert delta[other] == (0, 0, 0)
+    assert hit_per_repeat % BLOCK_SIZE == 0 and hit_per_repeat >= 2 * BLOCK_SIZE
+
+
+async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_rest(
+    vllm_nodes: list[VllmServer],
+    vllm_extra: Callable[..., VllmServer],
+    start_agent: AgentFactory,
+) -> None:
+    """A third vLLM process (the session's two are shared) is SIGKILLed, with its engine core,
+    while streams and non-streaming requests are running on it."""
+    doomed = vllm_extra(cpu="0")
+    survivor = vllm_nodes[1]
+    handle = await start_agent([doomed.url, survivor.url], policy="round_robin")
+    started = [asyncio.Event() for _ in range(4)]
+    outcomes: list[str] = []
+
+    async def streaming(client: openai.AsyncOpenAI, i: int) -> None:
+        first = started[i]
+        got = 0
+        try:
+            stream = await client.completions.create(
+                model=MODEL_NAME,
+                prompt=f"stream {i}",
+                max_tokens=400,
+                stream=True,
+                extra_body=IGNORE_EOS,
+            )
+            async for chunk in stream:
+                got += sum(1 for c in chunk.choices if c.text is not None)
+                first.set()
+        except openai.APIError as exc:
+            assert got > 0, f"a stream failed before its first byte, not retried: {exc}"
+            assert "mid-stream" in str(exc)
+            outcomes.append("clean-error")
+            return
+        assert got > 0
+        outcomes.append("ok")
+
+    async def non_streaming(client: openai.AsyncOpenAI, i: int) -> None:
+        reply = await client.completions.create(
+            model=MODEL_NAME, prompt=f"whole {i}", max_tokens=200, extra_body=IGNORE_EOS
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 200
+        outcomes.append("ok")
+
+    async with _client(handle.url, timeout=120) as client:
+        streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
+        wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
+        await asyncio.sleep(0.2)  # the non-streaming ones are on the nodes, no byte sent yet
+        doomed.kill()
+        # a hang would fail here rather than at the test timeout
+        await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
+        after = await client.completions.create(
+            model=MODEL_NAME, prompt="after the kill", max_tokens=2, extra_body=IGNORE_EOS
+        )
+        assert after.usage is not None and after.usage.completion_tokens == 2
+    assert len(outcomes) == 8
+    assert outcomes.count("clean-error") == 2  # round robin put two streams on each node
+    nodes = await _admin_nodes(handle)
+    assert nodes[doomed.url]["errors_total"] >= 1
+    assert all(n["in_flight"] == 0 for n in nodes.values())
+
+
+async def test_a_client_that_hangs_up_makes_vllm_abort_the_request(
+    vllm_nodes: list[VllmServer], start_agent: AgentFactory
+) -> None:
+    """vLLM 0.32 counts a request aborted by its API server (the connection closed) in no
+    counter at all — not ``request_success_total{finished_reason="abort"}``, which only engine-side
+    aborts reach — so the proof is its log line ``Request <id> aborted.`` (the session nodes run
+    with ``--enable-log-requests``) and a request that never finished."""
+    node = vllm_nodes[0]
+    finished = "vllm:request_success_total"
+    aborts_logged = node.log().count(" aborted.")
+    before = await _metric(node.url, finished)
+    generated = await _metric(node.url, "vllm:generation_tokens_total")
+    handle = await start_agent([node.url])
+    body = {"model": MODEL_NAME, "prompt": "hang up", "max_tokens": 480, "stream": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{handle.url}/v1/completions", json={**body, **IGNORE_EOS}) as r,
+    ):
+        assert r.status == 200
+        await r.content.readline()  # the first event, then hang up
+    for _ in range(100):  # up to 10 s for vLLM to notice the closed connection
+        if node.log().count(" aborted.") > aborts_logged:
+            break
+        await asyncio.sleep(0.1)
+    assert node.log().count(" aborted.") == aborts_logged + 1
+    assert await _metric(node.url, "vllm:num_requests_running") == 0
+    assert await _metric(node.url, finished) == before  # neither "length" nor any other reason
+    assert await _metric(node.url, "vllm:generation_tokens_total") - generated < 480
