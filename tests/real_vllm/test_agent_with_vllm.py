@@ -217,7 +217,7 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
             stream = await client.completions.create(
                 model=MODEL_NAME,
                 prompt=f"stream {i}",
-                max_tokens=400,
+                max_tokens=480,
                 stream=True,
                 extra_body=IGNORE_EOS,
             )
@@ -234,16 +234,17 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
 
     async def non_streaming(client: openai.AsyncOpenAI, i: int) -> None:
         reply = await client.completions.create(
-            model=MODEL_NAME, prompt=f"whole {i}", max_tokens=200, extra_body=IGNORE_EOS
+            model=MODEL_NAME, prompt=f"whole {i}", max_tokens=480, extra_body=IGNORE_EOS
         )
-        assert reply.usage is not None and reply.usage.completion_tokens == 200
+        assert reply.usage is not None and reply.usage.completion_tokens == 480
         outcomes.append("ok")
 
     async with _client(handle.url, timeout=120) as client:
+        # the non-streaming requests go first, so they are on both nodes, no byte sent, when the
+        # kill comes; the kill comes as soon as every stream has its first token
+        wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
         streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
-        wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
-        await asyncio.sleep(0.2)  # the non-streaming ones are on the nodes, no byte sent yet
         doomed.kill()
         # a hang would fail here rather than at the test timeout
         await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
@@ -252,7 +253,8 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
         )
         assert after.usage is not None and after.usage.completion_tokens == 2
     assert len(outcomes) == 8
-    assert outcomes.count("clean-error") == 2  # round robin put two streams on each node
+    # round robin put two streams on the doomed node; they were mid-stream at the kill
+    assert outcomes.count("clean-error") == 2, outcomes
     nodes = await _admin_nodes(handle)
     assert nodes[doomed.url]["errors_total"] >= 1
     assert all(n["in_flight"] == 0 for n in nodes.values())
