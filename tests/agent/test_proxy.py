@@ -9,40 +9,24 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from policies import routing
 from tests.agent.conftest import ADMIN, AgentFactory, AgentHandle, SimProcess
 from tests.conftest import NodeFactory
+from tests.support.agent import admin_nodes
+from tests.support.agent import metric as _metric
+from tests.support.agent import openai_client as _client
 
 MODEL = "tiny-model"
 LONG_PROMPT = " ".join(f"word{i % 50} alpha beta gamma" for i in range(80))  # 400 tokens
-
-
-def _client(url: str, **kw: object) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)  # type: ignore[arg-type]
 
 
 async def _nodes(sim_node: NodeFactory, n: int, **kw: object) -> list[str]:
     return [await sim_node(profile_name="cpu-tiny", seed=i, **kw) for i in range(n)]
 
 
-async def _metric(url: str, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-        text = await r.text()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 async def _admin_nodes(handle: AgentHandle) -> dict[str, dict[str, object]]:
-    async with aiohttp.ClientSession() as s, s.get(f"{handle.url}/admin/nodes", headers=ADMIN) as r:
-        assert r.status == 200
-        body = await r.json()
-    return {n["url"]: n for n in body["nodes"]}
+    return await admin_nodes(handle.url, ADMIN)
 
 
 @pytest.mark.parametrize("policy", routing.NAMES)

@@ -15,9 +15,10 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.agent import ADMIN, AgentFactory, AgentHandle
+from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes
+from tests.support.agent import metric as _metric
+from tests.support.agent import openai_client as _client
 from tests.support.vllm import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, NUM_BLOCKS, VllmServer
 
 # Starting vLLM takes about half a minute and counts towards the first test's time.
@@ -26,28 +27,8 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 IGNORE_EOS: dict[str, Any] = {"ignore_eos": True}
 
 
-def _client(url: str, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)
-
-
-async def _metric(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples called ``name`` whose labels include ``labels``."""
-    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 async def _admin_nodes(handle: AgentHandle) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.get(f"{handle.url}/admin/nodes", headers=ADMIN) as r:
-        assert r.status == 200
-        body = await r.json()
-    return {n["url"]: n for n in body["nodes"]}
+    return await admin_nodes(handle.url, ADMIN)
 
 
 async def _token_count(url: str, text: str) -> int:

@@ -10,7 +10,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+import openai
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from regional_agent.app import create_app
 from regional_agent.app_state import AGENT, Agent
@@ -84,3 +87,29 @@ class AgentStarter:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+
+
+def openai_client(url: str, **kw: Any) -> openai.AsyncOpenAI:
+    """The official client pointed at an agent or node, without its own retries."""
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``."""
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+async def admin_nodes(url: str, headers: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The agent's ``GET /admin/nodes``, keyed by node URL."""
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/admin/nodes", headers=headers) as r:
+        assert r.status == 200
+        body = await r.json()
+    return {n["url"]: n for n in body["nodes"]}
