@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -82,7 +83,7 @@ class Status(enum.Enum):
 @dataclass(slots=True, kw_only=True)
 class _Request:
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
     max_tokens: int
     target_tokens: int
     arrival_s: float
@@ -291,16 +292,20 @@ class Engine:
     def add(
         self,
         request_id: str,
-        prompt_token_ids: tuple[int, ...],
+        prompt_token_ids: Sequence[int],
         *,
         max_tokens: int,
         min_tokens: int = 0,
         ignore_eos: bool = False,
         now: float,
         arrival_s: float | None = None,
+        block_hashes: Sequence[int] | None = None,
     ) -> None:
         """Queue a request at ``now``; ``arrival_s`` (default ``now``) is when it reached the
-        server, which TTFT and end-to-end latency count from."""
+        server, which TTFT and end-to-end latency count from.
+
+        ``block_hashes``, when given, must be ``prompt.block_hashes(prompt_token_ids,
+        block_size=profile.block_size)``: the fleet simulator passes them memoised."""
         if request_id in self._requests:
             raise EngineError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
@@ -321,9 +326,9 @@ class Engine:
             arrival_s=now if arrival_s is None else arrival_s,
             queued_s=now,
         )
-        req.block_hashes = list(
-            prompt.block_hashes(prompt_token_ids, block_size=self.kv.block_size)
-        )
+        if block_hashes is None:
+            block_hashes = prompt.block_hashes(prompt_token_ids, block_size=self.kv.block_size)
+        req.block_hashes = list(block_hashes)
         self._requests[request_id] = req
         self._waiting.append(req)
 
