@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
@@ -30,8 +30,22 @@ class RegionLoad(_Value):
     ttft_p99_s: float | None = Field(None, ge=0, description="p99 time to first token, seconds")
 
 
+class GroupLayout(_Value):
+    """The GPU groups an agent routes over with group tables, and the parameters of their
+    assignment (``policies.groups.assign``): with them a reader computes the same base table
+    the agents paint their stored ranges over."""
+
+    groups: dict[str, float] = Field(
+        description="GPU group id -> weight (its nodes' weights summed)"
+    )
+    n_buckets: int = Field(16_384, ge=1, description="hash buckets per table")
+    vnodes: int = Field(8, ge=1, description="ring points per group of mean weight")
+    load_factor: float = Field(1.25, ge=1, description="bound on a group's share of buckets")
+
+
 class RegionStatus(_Value):
-    """What a region's agent says of itself (``regions/<r>/status``)."""
+    """What one agent of a region says of the region (``regions/<r>/agents/<a>/status``; the
+    controller combines the statuses of a region's live agents into one of these)."""
 
     region: str
     geo: str = Field(description="the geography this region serves, e.g. eu, us-east")
@@ -51,6 +65,9 @@ class RegionStatus(_Value):
         0, ge=0, description="generation of the last desired value the agent applied"
     )
     agent_id: str = ""
+    group_layout: GroupLayout | None = Field(
+        None, description="the GPU groups of the agent's group tables; None: no group routing"
+    )
     updated_at: float = Field(description="unix time of this status")
 
     @field_validator("region")
@@ -131,9 +148,18 @@ class GroupTable(_Value):
     kind: Literal["prefix", "session"] = "prefix"
     first: int = Field(ge=0)
     end: int = Field(gt=0)
-    owner: str
+    owner: str = Field(min_length=1, description="the GPU group serving these buckets")
+    n_buckets: int = Field(16_384, ge=1, description="buckets in the whole table")
     agent: str = ""
     updated_at: float
+
+    @model_validator(mode="after")
+    def _span(self) -> GroupTable:
+        if not self.first < self.end <= self.n_buckets:
+            raise ValueError(
+                f"range [{self.first}, {self.end}) is not a non-empty span of [0, {self.n_buckets})"
+            )
+        return self
 
 
 class Event(_Value):
@@ -142,4 +168,47 @@ class Event(_Value):
     region: str | None = None
     reason: str
     data: dict[str, object] = Field(default_factory=dict)
+    controller: str = ""
+
+
+class DnsRecord(_Value):
+    """One RRset as the controller wants it served (``DnsApplied.views[].records``)."""
+
+    name: str = Field(description="absolute name, e.g. api.meridian.example.")
+    type: Literal["A", "AAAA", "SRV", "TXT"]
+    ttl_s: int = Field(ge=0)
+    values: list[str] = Field(description="rdata in presentation form, e.g. '10 95 443 host.'")
+
+
+class DnsViewApplied(_Value):
+    """One view of the authoritative server, as last applied."""
+
+    view: str
+    zone: str
+    geo: str = Field(description="the geography whose answer the view serves")
+    records: list[DnsRecord] = Field(default_factory=list)
+    hold: bool = Field(False, description="no answer to give: the zone was left as it was")
+    reason: str = Field("", description="why these records, e.g. 'serving eu-west 95%, ...'")
+    changes: int = Field(0, ge=0, description="RRsets changed by the last update of this view")
+
+
+class DnsApplied(_Value):
+    """What DNS steering last applied (``dns/applied``), written by the leader when it changes.
+
+    ``generation`` is the DNS plan generation every view serves now (the TXT record says the
+    same); ``desired_generation`` is the newest plan, ahead of ``generation`` while an update is
+    failing (``error`` says why, e.g. the server is down or refuses the key).
+    """
+
+    backend: Literal["rfc2136", "dry-run"]
+    server: str = Field(description="host:port of the authoritative server")
+    generation: int = Field(0, ge=0, description="plan generation applied (0: none yet)")
+    desired_generation: int = Field(0, ge=0, description="the newest plan's generation")
+    fingerprint: str = Field("", description="digest of the applied records, sans generation")
+    window: int = Field(0, ge=0, description="the controller window the plan came from")
+    applied_at: float | None = Field(None, description="unix time of the last successful apply")
+    views: dict[str, DnsViewApplied] = Field(default_factory=dict)
+    updates: int = Field(0, ge=0, description="update messages sent by this leader so far")
+    error: str | None = Field(None, description="the last failure, until an apply succeeds")
+    error_at: float | None = None
     controller: str = ""
