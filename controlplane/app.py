@@ -3,7 +3,7 @@
 Every replica campaigns; the leader runs the window loop (``reconcile.windows``), fenced by its
 leader key.  Every replica answers reads: ``/health``, ``/v1/leader``, ``/v1/regions``,
 ``/v1/plan`` and ``/v1/events`` come straight from etcd.  (The operators' admin API with writes,
-roles and audit is ``controlplane/api``.)
+roles and audit is ``controlplane/api``, served on its own port: ``api.port``.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from controlplane.api import server as admin
 from controlplane.clock import Clock, WallClock
+from controlplane.dns import steering
 from controlplane.election import Election
 from controlplane.errors import NotLeader, StoreUnavailable
 from controlplane.reconcile import fleet, windows
@@ -47,8 +49,15 @@ class Controller:
         Fail static: while etcd is unreachable nothing is judged or written.  The first pass
         after it returns (and the first pass of a new leader) judges nothing either: it only
         brings admin states, backups and floors up to date, so agents get one window to
-        republish before they can earn a strike for an outage that was not theirs.
+        republish before they can earn a strike for an outage that was not theirs.  DNS
+        steering (``controlplane/dns``) runs beside the loop and is poked after every pass.
         """
+        async with steering.steering(
+            self.settings, store=self.store, fence=fence, clock=self.clock
+        ) as dns:
+            await self._windows(fence, dns)
+
+    async def _windows(self, fence: Fence, dns: steering.Poke) -> None:
         window_s = self.settings.failover.window_s
         judge = False
         while True:
@@ -66,6 +75,7 @@ class Controller:
                     log.warning("etcd reachable again: a grace window, then judging resumes")
                 self.etcd_ok = True
                 judge = True
+                dns.poke()
             except StoreUnavailable as exc:
                 if self.etcd_ok:
                     log.warning("etcd unavailable: changing nothing (fail static) error=%s", exc)
@@ -77,7 +87,9 @@ class Controller:
                 log.warning("fenced off: another replica leads; stopping the window loop")
                 return
             elapsed = self.clock.now() - started
-            await asyncio.sleep(max(0.0, window_s - elapsed))
+            # the admin API's policies may change the window: the pass says when to look again
+            next_s = self.last_pass.recheck_after_s if self.last_pass else window_s
+            await asyncio.sleep(max(0.0, next_s - elapsed))
 
 
 CONTROLLER = web.AppKey("controller", Controller)
@@ -99,6 +111,9 @@ def create_app(settings: ControllerSettings, *, clock: Clock | None = None) -> w
     app.router.add_get("/v1/plan", plan)
     app.router.add_get("/v1/events", events)
     app.cleanup_ctx.append(_background)
+    api = admin.AdminApi(replica=controller)
+    app[admin.ADMIN_API] = api
+    app.cleanup_ctx.append(admin.serving(api))
     return app
 
 
@@ -170,7 +185,9 @@ async def leader(request: web.Request) -> web.Response:
 
 
 async def regions(request: web.Request) -> web.Response:
-    view = await fleet.read(request.app[CONTROLLER].store)
+    c = request.app[CONTROLLER]
+    view = await fleet.read(c.store, tables=True)
+    now = c.clock.now()
     out = {}
     for region, record in sorted(view.regions.items()):
         out[region] = {
@@ -179,6 +196,8 @@ async def regions(request: web.Request) -> web.Response:
             "desired": record.desired.model_dump() if record.desired else None,
             "status": record.status.model_dump() if record.status else None,
             "override": record.override.model_dump() if record.override else None,
+            "agents": fleet.describe_agents(record),
+            "tables": fleet.describe_tables(record, now=now),
         }
     return web.json_response({"regions": out, "bad_values": [str(b) for b in view.bad]})
 

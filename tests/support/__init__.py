@@ -4,7 +4,16 @@ The pytest fixtures in tests/conftest.py wrap these; import from here to start a
 yourself (for example, two etcd members, or a server a test kills on purpose).
 """
 
-from tests.support.bind import BindServer, DnsView, TsigKey, start_bind
+from tests.support.bind import (
+    BindServer,
+    DnsView,
+    TsigKey,
+    check_conf,
+    relaunch_bind,
+    start_bind,
+    start_bind_with,
+    zone_file,
+)
 from tests.support.etcd import EtcdServer, relaunch, start_etcd, start_etcd_cluster
 from tests.support.ports import free_port
 from tests.support.process import ServerStartError
@@ -15,9 +24,13 @@ __all__ = [
     "EtcdServer",
     "ServerStartError",
     "TsigKey",
+    "check_conf",
     "free_port",
     "relaunch",
+    "relaunch_bind",
     "start_bind",
+    "start_bind_with",
     "start_etcd",
     "start_etcd_cluster",
+    "zone_file",
 ]

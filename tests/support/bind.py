@@ -36,11 +36,13 @@ attaches profiles by path, so the copy may read its config in `tmp_dir`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import secrets
 import shutil
+import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,14 +143,70 @@ def start_bind(tmp_dir: Path) -> Iterator[BindServer]:
         yield server
 
 
-def _launch(binary: str, work_dir: Path) -> BindServer:
+@contextmanager
+def start_bind_with(
+    tmp_dir: Path,
+    *,
+    body: Callable[[Path], str],
+    zone_files: Mapping[str, str],
+    views: tuple[DnsView, ...],
+) -> Iterator[BindServer]:
+    """Start named with the test options and a named.conf body of the caller's (keys, views,
+    zones — for example what an operator's config generator renders): ``body(work_dir)``
+    returns it; ``zone_files`` maps file names under ``work_dir/zones`` to their text (use
+    ``zone_file()``). ``views`` are the views the body defines, to wait for, in match order."""
+    binary = find_binary("named")
+
+    def launch() -> BindServer:
+        work_dir = Path(tempfile.mkdtemp(prefix="bind-", dir=tmp_dir))
+        return _launch(binary, work_dir, views=views, body=body(work_dir), zone_files=zone_files)
+
+    with serve(launch, _wait_ready) as server:
+        yield server
+
+
+def relaunch_bind(server: BindServer) -> BindServer:
+    """Start a stopped (or killed) named again: same config, port, zones and journals; wait
+    until it serves every view. The caller stops the returned server."""
+    process = ServerProcess(server.process.argv, log_path=server.work_dir / "named-again.log")
+    again = dataclasses.replace(server, process=process)
+    try:
+        _wait_ready(again)
+    except BaseException:
+        process.stop()
+        raise
+    return again
+
+
+def check_conf(path: Path) -> str:
+    """Run ``named-checkconf`` on ``path``; return its output, raise ValueError if it fails."""
+    result = subprocess.run(
+        [find_binary("named-checkconf"), str(path)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise ValueError(f"named-checkconf {path}: {result.stdout}{result.stderr}")
+    return result.stdout + result.stderr
+
+
+def _launch(
+    binary: str,
+    work_dir: Path,
+    *,
+    views: tuple[DnsView, ...] | None = None,
+    body: str | None = None,
+    zone_files: Mapping[str, str] | None = None,
+) -> BindServer:
     (work_dir / "zones").mkdir()
-    views = make_views()
+    views = views or make_views()
     port = free_port()
     conf = work_dir / "named.conf"
-    conf.write_text(_named_conf(work_dir=work_dir, port=port, views=views))
-    for view in views:
-        (work_dir / "zones" / f"{view.name}.db").write_text(_zone_file())
+    if body is None:
+        conf.write_text(_named_conf(work_dir=work_dir, port=port, views=views))
+        zone_files = {f"{view.name}.db": zone_file() for view in views}
+    else:
+        conf.write_text(_options(work_dir=work_dir, port=port) + body)
+    for file_name, text in (zone_files or {}).items():
+        (work_dir / "zones" / file_name).write_text(text)
     if _apparmor_enabled():
         binary = str(shutil.copy2(binary, work_dir / "named"))
     argv = [binary, "-g", "-4", "-n", "1", "-c", str(conf)]
@@ -182,6 +240,10 @@ def _named_conf(*, work_dir: Path, port: int, views: tuple[DnsView, ...]) -> str
             f"    }};\n"
             f"}};\n"
         )
+    return _options(work_dir=work_dir, port=port) + f"{keys}" + "".join(blocks)
+
+
+def _options(*, work_dir: Path, port: int) -> str:
     return (
         "// Generated for one test run by tests/support/bind.py.\n"
         "options {\n"
@@ -199,12 +261,11 @@ def _named_conf(*, work_dir: Path, port: int, views: tuple[DnsView, ...]) -> str
         "    notify no;\n"
         "};\n"
         "controls { };  // no rndc control channel\n"
-        f"{keys}"
-        f"{''.join(blocks)}"
     )
 
 
-def _zone_file() -> str:
+def zone_file() -> str:
+    """The starting text of every test zone: SOA, NS and the NS's A record."""
     return (
         "$TTL 300\n"
         f"{ZONE} IN SOA ns1.{ZONE} hostmaster.{ZONE} 1 3600 600 86400 30\n"

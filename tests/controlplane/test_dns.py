@@ -1,0 +1,270 @@
+"""DNS steering against real BIND9 and real etcd, one window and one DNS pass at a time.
+
+Regions are published into etcd the way an agent does; ``windows.reconcile_once`` judges them
+with a driven clock; ``Steering.reconcile_once`` applies the DNS plan to a BIND with two views:
+``geo-a`` (clients from 127.0.0.2) serves the eu geography, ``default`` (127.0.0.1) serves us.
+The whole controller is in test_dns_controller.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from controlplane.clock import Clock as ClockProtocol
+from controlplane.dns import rfc2136, steering
+from controlplane.dns.errors import DnsRefused
+from controlplane.reconcile import windows
+from controlplane.settings import ControllerSettings
+from controlplane.store import Store
+from policies.dns_plan import Change, RecordSet
+from tests.controlplane.dns_helpers import (
+    API,
+    ENDPOINTS,
+    EU_ADDRESS,
+    GEO,
+    REGIONS,
+    SRV,
+    TXT,
+    US_ADDRESS,
+    answer,
+    dns_settings,
+    serial,
+    srv_weights,
+    view_settings,
+)
+from tests.support import BindServer, EtcdServer
+from wire import keys
+from wire.models import DnsApplied, RegionStatus
+
+WINDOW_S = 30.0
+EU, US = "127.0.0.2", "127.0.0.1"  # the client addresses of the geo-a and default views
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
+    s = Store([etcd.url])
+    yield s
+    await s.close()
+
+
+def _settings(bind: BindServer, **dns: Any) -> ControllerSettings:
+    return ControllerSettings(
+        etcd={"endpoints": ["http://127.0.0.1:1"]},
+        failover={"window_s": WINDOW_S, "min_hold_s": 0.0},
+        regions=REGIONS,
+        dns=dns_settings(bind, **dns),
+    )  # type: ignore[arg-type]
+
+
+def _steering(
+    settings: ControllerSettings, store: Store, clock: ClockProtocol
+) -> steering.Steering:
+    return steering.Steering(
+        settings=settings,
+        store=store,
+        fence=None,
+        clock=clock,
+        client=rfc2136.Client(settings.dns),
+    )
+
+
+async def _window(
+    store: Store, clock: Clock, settings: ControllerSettings, *, up: list[str]
+) -> None:
+    clock.t += WINDOW_S
+    for region in up:
+        status = RegionStatus(
+            region=region,
+            geo=GEO[region],
+            endpoints=[ENDPOINTS[region]],
+            nodes_healthy=2,
+            nodes_total=2,
+            capacity=2.0,
+            updated_at=clock.now(),
+        )
+        await store.put(keys.status(region), status.model_dump_json().encode())
+        await store.put(keys.alive(region), b"")
+    await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+
+
+async def _applied(store: Store) -> DnsApplied:
+    entry = await store.get(keys.DNS_APPLIED)
+    assert entry is not None
+    return DnsApplied.model_validate_json(entry.value)
+
+
+async def test_each_geography_gets_its_own_answer_and_nothing_is_resent(
+    store: Store, bind: BindServer
+) -> None:
+    clock = Clock()
+    settings = _settings(bind)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    assert await steer.reconcile_once() == 2  # one update per view
+
+    assert await answer(bind, EU, API, "A") == {EU_ADDRESS}
+    assert await answer(bind, US, API, "A") == {US_ADDRESS}
+    assert await answer(bind, EU, SRV, "SRV") == {
+        "10 100 443 eu-west.api.meridian.test.",
+        "20 0 8443 us-east.api.meridian.test.",  # the standby, in failover order
+    }
+    assert await answer(bind, US, SRV, "SRV") == {
+        "10 100 8443 us-east.api.meridian.test.",
+        "20 0 443 eu-west.api.meridian.test.",
+    }
+    assert await answer(bind, EU, "us-east.api.meridian.test.", "A") == {US_ADDRESS}
+    generation = steer.desired.generation if steer.desired else -1
+    assert await answer(bind, EU, TXT, "TXT") == {f'"generation={generation}" "geo=eu"'}
+    applied = await _applied(store)
+    assert applied.generation == generation and applied.error is None
+    assert {v.geo for v in applied.views.values()} == {"eu", "us"}
+    assert all(r.ttl_s == 30 for v in applied.views.values() for r in v.records)
+
+    # steady fleet: windows pass, the plan is the same, nothing is sent
+    serials = (await serial(bind, EU), await serial(bind, US))
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-west", "us-east"])
+        assert await steer.reconcile_once() == 0
+    assert (await serial(bind, EU), await serial(bind, US)) == serials
+    assert steer.updates == 2
+    assert (await _applied(store)).generation == generation
+
+
+async def test_failover_flips_the_geography_to_its_backup_and_the_ramp_brings_it_back(
+    store: Store, bind: BindServer
+) -> None:
+    clock = Clock()
+    settings = _settings(bind)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    await steer.reconcile_once()
+    assert await answer(bind, EU, API, "A") == {EU_ADDRESS}
+
+    await store.delete(keys.alive("eu-west"))  # eu-west's agent dies
+    for _ in range(3):
+        await _window(store, clock, settings, up=["us-east"])
+        await steer.reconcile_once()
+    assert await answer(bind, EU, API, "A") == {US_ADDRESS}
+    assert srv_weights(await answer(bind, EU, SRV, "SRV")) == {"us-east": (10, 100)}
+    # the failed region is not even a standby in the other geography
+    assert srv_weights(await answer(bind, US, SRV, "SRV")) == {"us-east": (10, 100)}
+
+    seen = []
+    for _ in range(6):
+        await _window(store, clock, settings, up=["eu-west", "us-east"])
+        await steer.reconcile_once()
+        seen.append(srv_weights(await answer(bind, EU, SRV, "SRV")))
+    ramp = [s["eu-west"][1] for s in seen if s.get("eu-west", (0, 0))[0] == 10]
+    # shares normalised within the geography: eu-west keeps w, us-east takes 1 - w
+    assert ramp[:3] == [5, 25, 50]
+    assert seen[-1] == {"eu-west": (10, 100), "us-east": (20, 0)}
+    assert await answer(bind, EU, API, "A") == {EU_ADDRESS}
+    assert await answer(bind, US, API, "A") == {US_ADDRESS}
+
+
+async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
+    store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    forged = base64.b64encode(secrets.token_bytes(32)).decode()
+    views = [
+        view_settings(bind.view("geo-a"), "eu", secret=forged),
+        view_settings(bind.view("default"), "us"),
+    ]
+    settings = _settings(bind, views=views)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    with pytest.raises(DnsRefused, match="BADSIG"):
+        await steer.reconcile_once()
+    assert await answer(bind, EU, API, "A") == set()
+
+    # through the runner: the error is logged as an error and recorded in dns/applied
+    caplog.set_level(logging.INFO, logger="controlplane.dns")
+    async with steering.steering(settings, store=store, fence=None, clock=clock) as poke:
+        poke.poke()
+        for _ in range(100):
+            entry = await store.get(keys.DNS_APPLIED)
+            if entry is not None and DnsApplied.model_validate_json(entry.value).error:
+                break
+            await asyncio.sleep(0.05)
+    applied = await _applied(store)
+    assert applied.error is not None and "BADSIG" in applied.error and "geo-a" in applied.error
+    assert applied.generation == 0 and applied.desired_generation > 0
+    refused = [r for r in caplog.records if "update refused" in r.getMessage()]
+    assert refused and refused[0].levelno == logging.ERROR
+    assert "BADSIG" in refused[0].getMessage()
+    assert forged not in caplog.text  # secrets never reach the logs
+
+
+async def test_an_unsigned_update_is_refused(store: Store, bind: BindServer) -> None:
+    clock = Clock()
+    views = [
+        {"name": "geo-a", "geo": "eu", "source": EU},  # no key: reads and writes from 127.0.0.2
+        view_settings(bind.view("default"), "us"),
+    ]
+    settings = _settings(bind, views=views)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    with pytest.raises(DnsRefused, match=r"REFUSED.*unsigned"):
+        await steer.reconcile_once()
+    assert await answer(bind, EU, API, "A") == set()
+
+
+async def test_dry_run_logs_the_difference_and_sends_nothing(
+    store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    settings = _settings(bind, backend="dry-run")
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    before = await serial(bind, EU)
+    caplog.set_level(logging.INFO, logger="controlplane.dns")
+    assert await steer.reconcile_once() == 2
+    assert await serial(bind, EU) == before
+    assert await answer(bind, EU, API, "A") == set()
+    lines = [r.getMessage() for r in caplog.records if "dry-run" in r.getMessage()]
+    assert any(f"replace {API} 30 A {EU_ADDRESS}" in line for line in lines)
+    assert any("view=default" in line and US_ADDRESS in line for line in lines)
+    caplog.clear()
+    await steer.reconcile_once()  # the same difference is not printed again
+    assert not [r for r in caplog.records if "dry-run" in r.getMessage()]
+    assert steer.updates == 0
+
+
+async def test_records_written_out_of_band_are_put_back(store: Store, bind: BindServer) -> None:
+    clock = Clock()
+    settings = _settings(bind)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    await steer.reconcile_once()
+    # someone edits the zone by hand: a stray target and a wrong address
+    client = rfc2136.Client(settings.dns)
+    await client.update(
+        "geo-a",
+        [
+            Change(op="replace", rrset=RecordSet(name=API, rdtype="A", ttl_s=30,
+                                                 values=("203.0.113.9",))),
+            Change(op="replace", rrset=RecordSet(name="old.api.meridian.test.", rdtype="A",
+                                                 ttl_s=30, values=("203.0.113.8",))),
+        ],
+    )  # fmt: skip
+    assert await steer.reconcile_once() == 1  # one view differs
+    assert await answer(bind, EU, API, "A") == {EU_ADDRESS}
+    # old.api is not an SRV target: only the names served and the SRV's targets are read,
+    # so a name made by hand below the service stays
+    assert await answer(bind, EU, "old.api.meridian.test.", "A") == {"203.0.113.8"}
