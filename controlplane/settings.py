@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 import service
-from controlplane.api.settings import ApiSettings
 from controlplane.dns.settings import DnsSettings
 from wire.models import REGION_ID, RESIDENCY_TAG
 
@@ -139,10 +138,6 @@ class ControllerSettings(BaseSettings):
     )
     events: EventSettings = EventSettings()
     server: ServerSettings = ServerSettings()
-    api: ApiSettings = Field(
-        default_factory=ApiSettings,
-        description="the admin API: port, TLS, bearer tokens (controlplane/api/settings.py)",
-    )
     dns: DnsSettings = Field(
         default_factory=DnsSettings,
         description="DNS steering: server, views, TSIG keys; off by default (docs/dns.md)",
