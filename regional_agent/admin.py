@@ -92,6 +92,7 @@ def describe(agent: Agent, node: Node) -> dict[str, Any]:
         "admin": admin_state,
         "weight": node.weight,
         "slots": node.slots,
+        "group": node.group or node.node_id,
         "in_flight": node.in_flight,
         "in_flight_tokens": node.in_flight_tokens,
         "requests_total": node.requests_total,

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from policies import admission, routing
+from policies.groups import GroupId
 from policies.model import AdminState
 from regional_agent import admin, autoscaler
 from regional_agent.app_state import AGENT, Agent
@@ -31,7 +32,8 @@ from regional_agent.proxy import handlers
 from regional_agent.publisher import Publisher, Store
 from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff, supervise
-from regional_agent.settings import Settings
+from regional_agent.settings import GROUPS_POLICY, Settings
+from regional_agent.tables import GroupPolicy, GroupTables
 from regional_agent.telemetry import Scraper
 from regional_agent.upstream import NodeClient
 
@@ -58,9 +60,19 @@ def create_app(
     pool.health = monitor
     config = settings.routing.config()
     rng = random.Random(seed)
+    group_tables: GroupTables | None = None
+    policy: routing.Policy
+    if settings.routing.policy == GROUPS_POLICY:
+        group_tables = GroupTables(
+            settings.group_tables,
+            membership=lambda: {n.node_id: (GroupId(n.group or n.node_id), n.weight) for n in pool},
+        )
+        policy = GroupPolicy(group_tables, block_tokens=settings.routing.prefix_block_tokens)
+    else:
+        policy = routing.create(settings.routing.policy, config)
     dispatcher = Dispatcher(
         pool=pool,
-        policy=routing.create(settings.routing.policy, config),
+        policy=policy,
         settings=settings.queue,
         clock=clock,
         rng=rng,
@@ -98,6 +110,7 @@ def create_app(
             store=Store(endpoints=settings.region.etcd, timeout_s=settings.region.etcd_timeout_s),
             settings=settings.region,
             rng=random.Random(rng.random()),
+            tables=group_tables,
         )
     app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
     app[AGENT] = agent
@@ -199,6 +212,15 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             _spawn("status", _supervised(agent, "status", publisher.status_loop)),
             _spawn("desired", _supervised(agent, "desired", publisher.desired_loop)),
         ]
+        if publisher.tables is not None:
+            tasks += [
+                _spawn(
+                    "tables-watch", _supervised(agent, "tables-watch", publisher.tables.watch_loop)
+                ),
+                _spawn(
+                    "tables-flush", _supervised(agent, "tables-flush", publisher.tables.flush_loop)
+                ),
+            ]
     yield
     for task in tasks:
         task.cancel()

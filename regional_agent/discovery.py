@@ -20,6 +20,7 @@ def make_node(settings: NodeSettings, *, default_slots: int) -> Node:
         url=settings.url,
         weight=settings.weight,
         slots=settings.slots or default_slots,
+        group=settings.group,
     )
 
 

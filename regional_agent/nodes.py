@@ -33,6 +33,7 @@ class Node:
     url: str
     weight: float = 1.0
     slots: int = 64
+    group: str | None = None  # GPU group for the groups policy; None: the node is its own group
     models: frozenset[str] = frozenset()
     admin: AdminState = AdminState.ACTIVE
     drain_started_s: float | None = None

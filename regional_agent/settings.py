@@ -44,6 +44,19 @@ class NodeSettings(_Group):
     slots: int | None = Field(
         None, gt=0, description="most requests in flight on this node; default queue.slots_per_node"
     )
+    group: str | None = Field(
+        None,
+        description="GPU group (server, NVLink domain) for the groups policy; default: the node id",
+    )
+
+    @field_validator("group")
+    @classmethod
+    def _group_id(cls, value: str | None) -> str | None:
+        if value is not None and not _GROUP_ID.match(value):
+            raise ValueError(
+                f"group {value!r} must be 1-63 letters, digits, dots, colons, dashes, underscores"
+            )
+        return value
 
     @field_validator("url")
     @classmethod
@@ -61,10 +74,12 @@ class NodeSettings(_Group):
         return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
+GROUPS_POLICY = "groups"  # the agent's group-table routing (regional_agent/tables.py)
+POLICY_NAMES = (*routing.NAMES, GROUPS_POLICY)
+
+
 class RoutingSettings(_Group):
-    policy: str = Field(
-        "meridian", description=f"routing policy, one of {', '.join(routing.NAMES)}"
-    )
+    policy: str = Field("meridian", description=f"routing policy, one of {', '.join(POLICY_NAMES)}")
     prefix_block_tokens: int = Field(
         16, gt=0, description="tokens per block when hashing prompt prefixes for routing"
     )
@@ -76,8 +91,8 @@ class RoutingSettings(_Group):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in routing.NAMES:
-            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(routing.NAMES)}")
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
         return value
 
     @field_validator("tuning")
@@ -183,6 +198,8 @@ class TelemetryExportSettings(_Group):
 
 _REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as wire.models.REGION_ID
 _RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as wire.models.RESIDENCY_TAG
+_AGENT_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as wire.keys.AGENT_ID
+_GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,62}$")
 
 
 def _url(value: str, *, schemes: tuple[str, ...]) -> str:
@@ -216,7 +233,8 @@ class RegionSettings(_Group):
         description="etcd client URLs, e.g. http://10.0.0.1:2379; tried in turn when one fails",
     )
     agent_id: str | None = Field(
-        None, description="this agent's id in the status; default hostname-pid"
+        None,
+        description="this agent replica's id in its etcd keys; default hostname-pid, lowercased",
     )
     lease_ttl_s: int = Field(
         10, ge=2, description="TTL of the liveness lease, whole seconds; refreshed every TTL/3"
@@ -245,6 +263,16 @@ class RegionSettings(_Group):
         if value is not None and not _REGION_ID.match(value):
             raise ValueError(
                 f"region id {value!r} must be 1-63 lowercase letters, digits and dashes"
+            )
+        return value
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, value: str | None) -> str | None:
+        if value is not None and not _AGENT_ID.match(value):
+            raise ValueError(
+                f"agent id {value!r} must be 1-63 lowercase letters, digits, dots, dashes, "
+                "underscores"
             )
         return value
 
@@ -287,6 +315,36 @@ class RegionSettings(_Group):
     def publishing(self) -> bool:
         """Whether the agent publishes to etcd: a region id and at least one etcd URL."""
         return self.id is not None and bool(self.etcd)
+
+
+class GroupTableSettings(_Group):
+    """Group routing tables (``routing.policy = "groups"``; docs/group-tables.md): hash buckets
+    of prefixes and sessions -> GPU groups, shared by the region's agents through etcd."""
+
+    n_buckets: int = Field(16_384, ge=1, le=99_999, description="hash buckets per table")
+    key_blocks: int = Field(
+        64,
+        ge=1,
+        description="prompt blocks (routing.prefix_block_tokens each) hashed into a prefix key",
+    )
+    vnodes: int = Field(8, ge=1, description="ring points per group of mean weight (assignment)")
+    load_factor: float = Field(
+        1.25, ge=1, description="a group takes at most this times its fair share of buckets"
+    )
+    debounce_s: float = Field(
+        1.0, ge=0, description="staleness window: moves are published at most this often (s)"
+    )
+    move_abs_threshold: float = Field(
+        16.0,
+        ge=0,
+        description="a bucket moves when its group's requests per GPU exceed the least by this...",
+    )
+    move_rel_threshold: float = Field(
+        1.5, ge=1, description="...and by this factor (also the GPU guard inside a group)"
+    )
+    memory_keys: int = Field(
+        100_000, ge=1, description="routing keys whose last GPU the agent remembers (LRU)"
+    )
 
 
 class AutoscalerSettings(_Group):
@@ -351,6 +409,7 @@ class Settings(BaseSettings):
     admin: AdminSettings = AdminSettings()
     otel: TelemetryExportSettings = TelemetryExportSettings()
     region: RegionSettings = RegionSettings()
+    group_tables: GroupTableSettings = GroupTableSettings()
     autoscaler: AutoscalerSettings = AutoscalerSettings()
 
     @model_validator(mode="after")

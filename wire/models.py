@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
@@ -30,8 +30,22 @@ class RegionLoad(_Value):
     ttft_p99_s: float | None = Field(None, ge=0, description="p99 time to first token, seconds")
 
 
+class GroupLayout(_Value):
+    """The GPU groups an agent routes over with group tables, and the parameters of their
+    assignment (``policies.groups.assign``): with them a reader computes the same base table
+    the agents paint their stored ranges over."""
+
+    groups: dict[str, float] = Field(
+        description="GPU group id -> weight (its nodes' weights summed)"
+    )
+    n_buckets: int = Field(16_384, ge=1, description="hash buckets per table")
+    vnodes: int = Field(8, ge=1, description="ring points per group of mean weight")
+    load_factor: float = Field(1.25, ge=1, description="bound on a group's share of buckets")
+
+
 class RegionStatus(_Value):
-    """What a region's agent says of itself (``regions/<r>/status``)."""
+    """What one agent of a region says of the region (``regions/<r>/agents/<a>/status``; the
+    controller combines the statuses of a region's live agents into one of these)."""
 
     region: str
     geo: str = Field(description="the geography this region serves, e.g. eu, us-east")
@@ -51,6 +65,9 @@ class RegionStatus(_Value):
         0, ge=0, description="generation of the last desired value the agent applied"
     )
     agent_id: str = ""
+    group_layout: GroupLayout | None = Field(
+        None, description="the GPU groups of the agent's group tables; None: no group routing"
+    )
     updated_at: float = Field(description="unix time of this status")
 
     @field_validator("region")
@@ -131,9 +148,18 @@ class GroupTable(_Value):
     kind: Literal["prefix", "session"] = "prefix"
     first: int = Field(ge=0)
     end: int = Field(gt=0)
-    owner: str
+    owner: str = Field(min_length=1, description="the GPU group serving these buckets")
+    n_buckets: int = Field(16_384, ge=1, description="buckets in the whole table")
     agent: str = ""
     updated_at: float
+
+    @model_validator(mode="after")
+    def _span(self) -> GroupTable:
+        if not self.first < self.end <= self.n_buckets:
+            raise ValueError(
+                f"range [{self.first}, {self.end}) is not a non-empty span of [0, {self.n_buckets})"
+            )
+        return self
 
 
 class Event(_Value):

@@ -1,18 +1,24 @@
-"""The publisher: the region's liveness and status in etcd, and the controller's wishes for it.
+"""The publisher: this agent replica's liveness and status in etcd, the controller's wishes for
+the region, and (with ``routing.policy = "groups"``) the region's shared group routing tables.
 
-Three loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
+Each replica of a region publishes under its own id ``<a>`` (``region.agent_id``, default
+hostname-pid) and its own lease, so replicas never overwrite each other; the controller combines
+them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
 
-* :meth:`Publisher.alive_loop` — ``regions/<r>/alive``: an empty value under a lease of
-  ``lease_ttl_s``, refreshed every TTL/3.  A lease etcd no longer knows (it expired during a
+* :meth:`Publisher.alive_loop` — ``regions/<r>/agents/<a>/alive``: an empty value under a lease
+  of ``lease_ttl_s``, refreshed every TTL/3.  A lease etcd no longer knows (it expired during a
   partition, or etcd lost its data) is granted again and the key put again.  About once a
   window the key itself is read back, and put again if it is missing or under another lease.
-* :meth:`Publisher.status_loop` — ``regions/<r>/status``: a ``RegionStatus`` built once a
-  ``min_interval_s`` tick, written only when :func:`status.decide` says so (a change the
-  controller decides on, a large move of load, or the ``window_s`` heartbeat).
+* :meth:`Publisher.status_loop` — ``regions/<r>/agents/<a>/status``, under the same lease (a
+  dead replica's status goes with it): a ``RegionStatus`` built once a ``min_interval_s`` tick,
+  written only when :func:`status.decide` says so (a change the controller decides on, a large
+  move of load, or the ``window_s`` heartbeat).
 * :meth:`Publisher.desired_loop` — ``regions/<r>/desired``: follows the controller's
   ``RegionDesired``; the capacity floor goes to the autoscaler, the admin state is
   acknowledged in the status.  A value that does not parse is logged with its key and ignored;
   the last good one stays in force.
+* ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``publisher/tables.py``) — the group
+  tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them.
 
 Fail static: when etcd does not answer, the agent serves on what it knows.  Each loop retries
 with backoff and jitter; the change of state (etcd lost, etcd back) is logged once, not every
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -37,8 +44,10 @@ from regional_agent.errors import LeaseLost, StoreError
 from regional_agent.publisher import status
 from regional_agent.publisher.load import LoadWindow
 from regional_agent.publisher.store import Change, LeaseId, Store
+from regional_agent.publisher.tables import TableSync
 from regional_agent.retry import Backoff
 from regional_agent.settings import RegionSettings
+from regional_agent.tables import GroupTables
 from wire import keys
 from wire.models import RegionDesired, RegionStatus
 
@@ -91,16 +100,16 @@ class Publisher:
         settings: RegionSettings,
         rng: random.Random,
         wall: Callable[[], float] = time.time,
+        tables: GroupTables | None = None,
     ) -> None:
         self._agent = agent
         self._store = store
         self._settings = settings
         self._wall = wall
         self._rng = rng
-        self.identity = status.Identity.of(
-            settings, agent_id=f"{socket.gethostname()}-{os.getpid()}"
-        )
+        self.identity = status.Identity.of(settings, agent_id=default_agent_id())
         self.region = self.identity.region
+        self.agent_id = self.identity.agent_id
         self._timing = status.Timing.of(settings)
         self.link = Link(agent=agent, region=self.region)
         self.window = LoadWindow(window_s=settings.window_s)
@@ -112,6 +121,20 @@ class Publisher:
         self._lease: LeaseId | None = None
         self._grants = 0
         self.writes: dict[str, int] = {"alive": 0, "status": 0}
+        self.tables: TableSync | None = None
+        if tables is not None:
+            self.tables = TableSync(
+                store=store,
+                tables=tables,
+                region=self.region,
+                agent_id=self.agent_id,
+                clock=agent.clock,
+                wall=wall,
+                lease=lambda: self._lease,
+                backoff=self._backoff,
+                on_answer=self._answered,
+                on_failure=self.link.failed,
+            )
 
     # -- what others read --------------------------------------------------------------------
 
@@ -132,12 +155,13 @@ class Publisher:
             desired=self.desired,
             floor=self.floor(),
             wall_now=self._wall(),
+            layout=None if self.tables is None else self.tables.tables.layout(),
         )
 
     # -- liveness ----------------------------------------------------------------------------
 
     async def alive_loop(self) -> None:
-        key = keys.alive(self.region)
+        key = keys.agent_alive(self.region, self.agent_id)
         ttl_s = self._settings.lease_ttl_s
         refresh_s = ttl_s / 3
         backoff = self._backoff()
@@ -199,14 +223,15 @@ class Publisher:
     # -- status ------------------------------------------------------------------------------
 
     async def status_loop(self) -> None:
-        key = keys.status(self.region)
+        key = keys.agent_status(self.region, self.agent_id)
         tick_s = self._settings.min_interval_s
         backoff = self._backoff()
         retry_at = float("-inf")
         while True:
             now = self._agent.clock.now()
             self.window.sample(self._agent.instruments.totals, now=now)
-            if now >= retry_at:
+            lease = self._lease  # the status lives under the liveness lease: none yet, wait
+            if now >= retry_at and lease is not None:
                 current = self.observe()
                 since_s = float("inf") if self._written_at is None else now - self._written_at
                 reason = status.decide(
@@ -218,7 +243,10 @@ class Publisher:
                 )
                 if reason is not None:
                     try:
-                        await self._store.put(key, current.model_dump_json().encode())
+                        await self._store.put(key, current.model_dump_json().encode(), lease=lease)
+                    except LeaseLost:
+                        self._answered()
+                        self._force = self._force or "lease granted again"
                     except StoreError as exc:
                         self.link.failed(exc)
                         retry_at = now + backoff.next_s()
@@ -337,6 +365,12 @@ class Publisher:
     def _wrote(self, kind: str) -> None:
         self.writes[kind] += 1
         self._agent.instruments.count_store_write(kind=kind)
+
+
+def default_agent_id() -> str:
+    """``hostname-pid``, lowercased, with what a key may not hold replaced by dashes."""
+    raw = f"{socket.gethostname()}-{os.getpid()}".lower()
+    return re.sub(r"[^a-z0-9._-]", "-", raw).lstrip("._-")[-63:] or f"agent-{os.getpid()}"
 
 
 def _problems(exc: pydantic.ValidationError) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from regional_agent.app_state import Agent
 from regional_agent.publisher.load import WindowLoad
 from regional_agent.settings import RegionSettings
-from wire.models import RegionDesired, RegionLoad, RegionStatus
+from wire.models import GroupLayout, RegionDesired, RegionLoad, RegionStatus
 
 # Absolute steps below which a load figure is noise, whatever its relative move.
 _LOAD_STEPS: dict[str, float] = {
@@ -67,6 +67,7 @@ def observe(
     desired: RegionDesired,
     floor: float,
     wall_now: float,
+    layout: GroupLayout | None = None,
 ) -> RegionStatus:
     """The region's status as the agent sees it now."""
     now = agent.clock.now()
@@ -93,6 +94,7 @@ def observe(
         admin=desired.admin,
         observed_generation=desired.generation,
         agent_id=identity.agent_id,
+        group_layout=layout,
         updated_at=round(wall_now, 3),
     )
 

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NewType, TypeVar
 from urllib.parse import urlsplit
@@ -53,6 +53,25 @@ class Value:
     mod_revision: int  # revision of the key's last change
     version: int  # changes since the key was created (1 = just created)
     lease: int  # 0: no lease
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyValue:
+    """One key of a range read or a watch: ``value`` ``None`` when the key was deleted at
+    ``mod_revision``."""
+
+    key: str
+    value: bytes | None
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """Every key under a prefix as of ``revision``."""
+
+    revision: int
+    entries: tuple[KeyValue, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +140,88 @@ class Store:
             version=int(got.version),
             lease=int(got.lease),
         )
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        got = await self._call(f"get {prefix}*", lambda c: c.get_prefix(prefix.encode()))
+        entries = tuple(
+            KeyValue(
+                key=bytes(kv.key).decode(),
+                value=bytes(kv.value),
+                mod_revision=int(kv.mod_revision),
+                lease=int(kv.lease),
+            )
+            for kv in got
+        )
+        return Snapshot(revision=int(got.header.revision), entries=entries)
+
+    async def commit(
+        self,
+        *,
+        puts: Sequence[tuple[str, bytes]],
+        deletes: Sequence[str],
+        expect: Mapping[str, int],
+        lease: LeaseId | None,
+    ) -> int | None:
+        """One transaction: if every key of ``expect`` is at that mod revision (0: absent), put
+        ``puts`` (under ``lease``) and delete ``deletes``.  Returns the revision it made, or
+        ``None`` when a compare failed and nothing was written."""
+
+        async def txn(c: aetcd.Client) -> tuple[bool, list[Any]]:
+            t = c.transactions
+            compare = [t.mod(k.encode()) == rev for k, rev in expect.items()]
+            ops = [t.put(k.encode(), v, lease=lease) for k, v in puts]
+            ops += [t.delete(k.encode()) for k in deletes]
+            ok, responses = await c.transaction(compare=compare, success=ops, failure=[])
+            return bool(ok), list(responses)
+
+        ok, responses = await self._call(f"commit {len(puts)} puts, {len(deletes)} deletes", txn)
+        if not ok:
+            return None
+        for response in responses:
+            kind = response.WhichOneof("response")
+            return int(getattr(response, kind).header.revision)
+        raise StoreError("etcd committed a transaction without operations")
+
+    async def follow_prefix(self, prefix: str) -> AsyncGenerator[Snapshot | KeyValue, None]:
+        """Every key under ``prefix`` now (a :class:`Snapshot`), then each change to one of
+        them (a :class:`KeyValue`), until the watch stream breaks (``StoreUnavailable``).
+        Level-based like :meth:`follow`; use it under ``contextlib.aclosing``."""
+        snapshot = await self.get_prefix(prefix)
+        client, generation = self._connected()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                watch = await client.watch_prefix(
+                    prefix.encode(), start_revision=snapshot.revision + 1
+                )
+        except BaseException as exc:
+            error = await self._translate(f"watch {prefix}*", exc, generation)
+            if error is None:
+                raise
+            raise error from exc
+        try:
+            yield snapshot
+            try:
+                async for event in watch:
+                    self._answered_s = time.monotonic()
+                    deleted = str(event.kind).upper().endswith("DELETE")
+                    yield KeyValue(
+                        key=bytes(event.kv.key).decode(),
+                        value=None if deleted else bytes(event.kv.value),
+                        mod_revision=int(event.kv.mod_revision),
+                        lease=int(event.kv.lease),
+                    )
+            except BaseException as exc:
+                error = await self._translate(f"watch {prefix}*", exc, generation)
+                if error is None:
+                    raise
+                raise error from exc
+            ended = StoreUnavailable(f"etcd {self.endpoint}: the watch of {prefix}* ended")
+            ended.stale = generation != self._generation
+            await self._drop(generation, reason="the watch stream ended")
+            raise ended
+        finally:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(watch.cancel(), timeout=self._timeout_s)
 
     async def follow(self, key: str) -> AsyncGenerator[Change, None]:
         """The key's current value, then each change to it, until the watch stream breaks

@@ -65,17 +65,40 @@ async def eventually(
         await asyncio.sleep(0.05)
 
 
-async def status(c: aetcd.Client, region_id: str = REGION) -> tuple[RegionStatus, int] | None:
-    """The region's status and its version (writes since created), or ``None``."""
-    got = await c.get(keys.status(region_id).encode())
+async def agent_key(
+    c: aetcd.Client, leaf: str, region_id: str = REGION, agent: str | None = None
+) -> Any:
+    """The ``alive`` or ``status`` key of ``agent`` in the region; with ``agent`` None, of the
+    region's only agent (a test that runs one)."""
+    if agent is not None:
+        key = (
+            keys.agent_alive(region_id, agent)
+            if leaf == "alive"
+            else keys.agent_status(region_id, agent)
+        )
+        return await c.get(key.encode())
+    found = [
+        kv
+        for kv in await c.get_prefix(keys.agents(region_id).encode())
+        if bytes(kv.key).decode().endswith("/" + leaf)
+    ]
+    assert len(found) <= 1, f"more than one agent of {region_id} has a {leaf} key"
+    return found[0] if found else None
+
+
+async def status(
+    c: aetcd.Client, region_id: str = REGION, agent: str | None = None
+) -> tuple[RegionStatus, int] | None:
+    """The agent's status and its version (writes since created), or ``None``."""
+    got = await agent_key(c, "status", region_id, agent)
     if got is None:
         return None
     return RegionStatus.model_validate_json(got.value), int(got.version)
 
 
-async def alive(c: aetcd.Client, region_id: str = REGION) -> int | None:
-    """The lease id the alive key is under, or ``None`` when the key is absent."""
-    got = await c.get(keys.alive(region_id).encode())
+async def alive(c: aetcd.Client, region_id: str = REGION, agent: str | None = None) -> int | None:
+    """The lease id the agent's alive key is under, or ``None`` when the key is absent."""
+    got = await agent_key(c, "alive", region_id, agent)
     return None if got is None else int(got.lease)
 
 

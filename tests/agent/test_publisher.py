@@ -87,8 +87,9 @@ async def test_alive_key_lives_under_a_short_lease_and_goes_with_the_agent(
             lease = await eventually(lambda: alive(c), what="the alive key")
             publisher = handle.agent.publisher
             assert publisher is not None and publisher.lease == lease
-            got = await c.get(keys.alive(REGION).encode())
+            got = await publishing.agent_key(c, "alive")
             assert got is not None and got.value == b""
+            assert bytes(got.key).decode() == keys.agent_alive(REGION, publisher.agent_id)
             info = await c.get_lease_info(lease, keys=False)
             assert 0 < info.TTL <= 2 and info.grantedTTL == 2
             # kept alive: the same lease outlives several TTLs
@@ -149,7 +150,7 @@ def test_alive_key_expires_within_the_ttl_when_the_agent_dies(
                     return await alive(c) is None
 
                 await eventually(gone, what="the alive key expired", timeout_s=15)
-                assert await status(c) is not None  # the status stays: the last word
+                assert await status(c) is None  # the status lived under the same lease
 
         asyncio.run(watch())
     finally:
@@ -184,7 +185,7 @@ async def test_status_reports_counts_capacity_and_identity(
         assert st.admin == "active" and st.observed_generation == 0
         assert st.agent_id == "agent-a"
         assert abs(st.updated_at - time.time()) < 60
-        raw = await c.get(keys.status(REGION).encode())
+        raw = await c.get(keys.agent_status(REGION, "agent-a").encode())
         assert raw is not None
         RegionStatus.model_validate_json(raw.value)  # the wire contract, as the controller reads
     assert handle.agent.publisher is not None

@@ -91,8 +91,10 @@ class Fleet:
                         updated_at=time.time(),
                     )
                     with contextlib.suppress(Exception):
-                        await store.put(keys.status(region), status.model_dump_json().encode())
-                        await store.put(keys.alive(region), b"")
+                        await store.put(
+                            keys.agent_status(region, "a1"), status.model_dump_json().encode()
+                        )
+                        await store.put(keys.agent_alive(region, "a1"), b"")
                 await asyncio.sleep(0.1)
         finally:
             await store.close()
@@ -141,7 +143,7 @@ async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
     await _until(lambda: leader.passes >= 3, 5, "judged windows")
     # eu-west's agent stops; the region is judged failed
     fleet.up["eu-west"] = False
-    await fleet.store.delete(keys.alive("eu-west"))
+    await fleet.store.delete(keys.agent_alive("eu-west", "a1"))
 
     async def west_state() -> str | None:
         h = await fleet.health("eu-west")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.reconcile import windows
+from controlplane.reconcile import fleet, windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
 from tests.support import EtcdServer
@@ -60,6 +60,8 @@ async def _publish(
     total: int = 4,
     alive: bool = True,
     error_rate: float = 0.0,
+    agent: str = "a1",
+    in_flight: int = 0,
 ) -> None:
     geo = "us" if region.startswith("us") else "eu"
     status = RegionStatus(
@@ -70,14 +72,15 @@ async def _publish(
         nodes_healthy=healthy,
         nodes_total=total,
         capacity=capacity,
-        load=RegionLoad(error_rate=error_rate),
+        load=RegionLoad(error_rate=error_rate, in_flight=in_flight),
+        agent_id=agent,
         updated_at=clock.now(),
     )
-    await store.put(keys.status(region), status.model_dump_json().encode())
+    await store.put(keys.agent_status(region, agent), status.model_dump_json().encode())
     if alive:
-        await store.put(keys.alive(region), b"")
+        await store.put(keys.agent_alive(region, agent), b"")
     else:
-        await store.delete(keys.alive(region))
+        await store.delete(keys.agent_alive(region, agent))
 
 
 async def _health(store: Store, region: str) -> RegionHealth:
@@ -112,7 +115,7 @@ async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
     await _window(store, clock, settings, up=ALL)
     assert (await _health(store, "eu-west")).state == "healthy"
     # eu-west's agent stops: its lease (here: the alive key) goes, its status goes stale
-    await store.delete(keys.alive("eu-west"))
+    await store.delete(keys.agent_alive("eu-west", "a1"))
     states = []
     for _ in range(3):
         await _window(store, clock, settings, up=["eu-north", "us-east"])
@@ -149,7 +152,7 @@ async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(sto
     await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
     assert (await _desired(store, "eu-north")).capacity_floor >= 5.0
     # eu-west dies: the floor is kept, not collapsed
-    await store.delete(keys.alive("eu-west"))
+    await store.delete(keys.agent_alive("eu-west", "a1"))
     for _ in range(3):
         await _window(store, clock, settings, up=["eu-north", "us-east"])
     assert (await _health(store, "eu-west")).state == "failed"
@@ -167,8 +170,8 @@ async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(sto
     await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
     assert (await _health(store, "eu-west")).backup == "eu-north"
     # with eu-north gone too, eu-west has no compliant backup: reported, never us-east
-    await store.delete(keys.alive("eu-north"))
-    await store.delete(keys.alive("eu-west"))
+    await store.delete(keys.agent_alive("eu-north", "a1"))
+    await store.delete(keys.agent_alive("eu-west", "a1"))
     for _ in range(3):
         await _window(store, clock, settings, up=["us-east"])
     west = await _health(store, "eu-west")
@@ -183,7 +186,7 @@ async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(sto
 async def test_recovery_ramps_the_weight_back(store: Store) -> None:
     clock, settings = Clock(), _settings()
     await _window(store, clock, settings, up=ALL)
-    await store.delete(keys.alive("eu-west"))
+    await store.delete(keys.agent_alive("eu-west", "a1"))
     for _ in range(3):
         await _window(store, clock, settings, up=["eu-north", "us-east"])
     assert (await _health(store, "eu-west")).state == "failed"
@@ -206,20 +209,70 @@ async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
     clock.t += WINDOW_S
     for region in ("eu-north", "us-east"):
         await _publish(store, clock, region)
-    await store.put(keys.status("eu-west"), b'{"region": "eu-west", "nodes_healthy": "many"}')
+    bad_key = keys.agent_status("eu-west", "a1")
+    await store.put(bad_key, b'{"region": "eu-west", "nodes_healthy": "many"}')
     await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
     assert (await _health(store, "eu-west")).state == "healthy"  # not a strike
     assert any(
-        keys.status("eu-west") in r.getMessage() and "nodes_healthy" in r.getMessage()
-        for r in caplog.records
+        bad_key in r.getMessage() and "nodes_healthy" in r.getMessage() for r in caplog.records
     )
+
+
+async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Store) -> None:
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=ALL)
+    await _publish(store, clock, "eu-west", agent="a2", in_flight=7)
+    view = await fleet.read(store)
+    assert view.regions["eu-west"].status is not None
+    assert set(view.regions["eu-west"].agents) == {"a1", "a2"}
+    # a1 stops: its lease (here: its keys) goes; a2 keeps publishing
+    await store.delete(keys.agent_alive("eu-west", "a1"))
+    await store.delete(keys.agent_status("eu-west", "a1"))
+    for _ in range(4):
+        clock.t += WINDOW_S
+        for region in ("eu-north", "us-east"):
+            await _publish(store, clock, region)
+        await _publish(store, clock, "eu-west", agent="a2")
+        await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+        h = await _health(store, "eu-west")
+        assert (h.state, h.strikes) == ("healthy", 0), h.reason
+    # a2 stops too: now the region fails after exactly three windows
+    await store.delete(keys.agent_alive("eu-west", "a2"))
+    states = []
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-north", "us-east"])
+        h = await _health(store, "eu-west")
+        states.append((h.state, h.strikes))
+    assert states == [("suspect", 1), ("suspect", 2), ("failed", 3)]
+
+
+async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None:
+    """An agent from before per-agent keys writes regions/<r>/alive and /status."""
+    clock, settings = Clock(), _settings()
+    await _window(store, clock, settings, up=["eu-north", "us-east"])
+    old = RegionStatus(
+        region="eu-west", geo="eu", residency=["eu"], nodes_healthy=3, nodes_total=4,
+        capacity=3.0, updated_at=clock.now(),
+    )  # fmt: skip
+    for _ in range(2):
+        clock.t += WINDOW_S
+        old = old.model_copy(update={"updated_at": clock.now()})
+        await store.put(keys.status("eu-west"), old.model_dump_json().encode())
+        await store.put(keys.alive("eu-west"), b"")
+        for region in ("eu-north", "us-east"):
+            await _publish(store, clock, region)
+        await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+        assert (await _health(store, "eu-west")).state == "healthy"
+    record = (await fleet.read(store)).regions["eu-west"]
+    assert record.alive and record.status is not None and record.status.capacity == 3.0
+    assert set(record.agents) == {fleet.LEGACY_AGENT}
 
 
 async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
     """What one leader judged, the next leader continues: state lives in etcd, not memory."""
     clock, settings = Clock(), _settings()
     await _window(store, clock, settings, up=ALL)
-    await store.delete(keys.alive("eu-west"))
+    await store.delete(keys.agent_alive("eu-west", "a1"))
     await _window(store, clock, settings, up=["eu-north", "us-east"])
     await _window(store, clock, settings, up=["eu-north", "us-east"])
     # "another controller" (a fresh store and call) takes the third window

@@ -1,0 +1,372 @@
+"""Group routing tables in the agent: the ``groups`` routing policy and the table state it routes
+by (docs/group-tables.md; the decisions are ``policies.groups``').
+
+:class:`GroupTables` holds, for each kind of table (``prefix``, ``session``), what the agent
+routes by and what it must publish; it does no I/O.  The publisher
+(``regional_agent/publisher/tables.py``) feeds it what etcd holds (a read, then the watch) and
+writes what it has to publish, under the agent's lease, in revision-guarded transactions.
+
+* **Groups.**  Each node belongs to a GPU group (``nodes[].group``, default the node id: every
+  node its own group).  A group weighs its nodes' weights summed.  The base table is
+  ``groups.assign`` of the groups, a pure function: agents with the same nodes compute the same
+  one, and only moves away from it are ever written to etcd.
+* **View.**  The stored ranges painted over the base, oldest mod revision first, skipping groups
+  this agent does not know, then this agent's own moves not yet published on top.
+* **Publishing.**  A move (``groups.choose`` found the bucket's group too busy, or gone) changes
+  the view at once and marks the keys around it dirty in the ``groups.Debouncer``.  A publish
+  is the diff, among dirty keys, from what the agent knows etcd holds to its view, with the mod
+  revision the agent last saw for each key (0: absent) as the transaction's compares.
+
+Not thread-safe; every call runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies import groups, routing
+from policies.groups import GroupId, Kind, Range, Table
+from policies.model import Decision, NodeId, NodeView, RequestView
+from regional_agent.settings import GROUPS_POLICY, GroupTableSettings
+from wire.models import GroupLayout
+
+KINDS: tuple[Kind, ...] = ("prefix", "session")
+
+# node id -> (its group, its weight), for every node in the pool
+Membership = Callable[[], Mapping[NodeId, tuple[GroupId, float]]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stored:
+    """One range as etcd holds it, with the revision of its last write."""
+
+    range: Range
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Publish:
+    """What to write for one kind: the diff and the compares (first bucket -> mod revision the
+    key must have; 0: it must be absent)."""
+
+    kind: Kind
+    diff: groups.Diff
+    expect: dict[int, int]
+    debouncer: groups.Debouncer  # the debouncer once this is written
+    moves: int  # own moves it covers (the first ``moves`` of the pending list)
+
+
+@dataclass(slots=True, kw_only=True)
+class _KindState:
+    kind: Kind
+    table: Table
+    known: dict[int, Range] = field(default_factory=dict)  # etcd, as the agent last saw it
+    revs: dict[int, int] = field(default_factory=dict)  # their mod revisions
+    gone: dict[int, int] = field(default_factory=dict)  # deleted keys -> revision of the delete
+    unusable: dict[int, int] = field(default_factory=dict)  # keys held with a value ignored
+    pending: list[tuple[int, int, GroupId]] = field(default_factory=list)  # own moves, unwritten
+    since_flush: set[int] = field(default_factory=set)  # keys touched while a publish is out
+    debouncer: groups.Debouncer = field(default_factory=lambda: groups.Debouncer(window_s=1.0))
+
+
+class GroupTables:
+    """The agent's group tables; ``membership()`` says which group each pool node is in."""
+
+    def __init__(self, settings: GroupTableSettings, *, membership: Membership) -> None:
+        self.settings = settings
+        self._membership = membership
+        self.weights: dict[GroupId, float] = {}
+        self.members: dict[GroupId, tuple[NodeId, ...]] = {}
+        self.group_of: dict[NodeId, GroupId] = {}
+        self._base: dict[Kind, Table] = {}
+        self._kinds: dict[Kind, _KindState] = {}
+        self.moves = 0  # bucket moves this agent made
+        self.reads = 0  # tables rebuilt from what etcd holds
+        self.sync()
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def sync(self) -> bool:
+        """Follow the pool's groups; a change recomputes the base tables.  True if changed."""
+        members: dict[GroupId, list[NodeId]] = {}
+        weights: dict[GroupId, float] = {}
+        group_of: dict[NodeId, GroupId] = {}
+        for node, (grp, weight) in self._membership().items():
+            members.setdefault(grp, []).append(node)
+            weights[grp] = weights.get(grp, 0.0) + weight
+            group_of[node] = grp
+        weights = {g: round(w, 6) for g, w in sorted(weights.items())}
+        self.group_of = group_of
+        self.members = {g: tuple(sorted(m)) for g, m in sorted(members.items())}
+        if weights == self.weights and self._kinds:
+            return False
+        self.weights = weights
+        for kind in KINDS:
+            base = self._assign(kind)
+            self._base[kind] = base
+            state = self._kinds.get(kind)
+            if state is None:
+                self._kinds[kind] = _KindState(
+                    kind=kind,
+                    table=base,
+                    debouncer=groups.Debouncer(window_s=self.settings.debounce_s),
+                )
+            else:
+                self._rebuild(state)
+        return True
+
+    def _assign(self, kind: Kind) -> Table:
+        s = self.settings
+        if not self.weights:  # no nodes: one placeholder group, so that lookups still work
+            return Table(
+                kind=kind,
+                n_buckets=s.n_buckets,
+                ranges=(Range(first=0, end=s.n_buckets, owner=""),),
+            )
+        return groups.assign(
+            self.weights, n_buckets=s.n_buckets, kind=kind, vnodes=s.vnodes,
+            load_factor=s.load_factor,
+        )  # fmt: skip
+
+    def layout(self) -> GroupLayout:
+        """What the status tells the controller of these tables."""
+        s = self.settings
+        return GroupLayout(
+            groups=dict(self.weights),
+            n_buckets=s.n_buckets,
+            vnodes=s.vnodes,
+            load_factor=s.load_factor,
+        )
+
+    # -- what routing sees -------------------------------------------------------------------
+
+    def table(self, kind: Kind) -> Table:
+        return self._kinds[kind].table
+
+    def base(self, kind: Kind) -> Table:
+        return self._base[kind]
+
+    def known(self, kind: Kind) -> dict[int, Stored]:
+        state = self._kinds[kind]
+        return {
+            k: Stored(range=r, mod_revision=state.revs.get(k, 0)) for k, r in state.known.items()
+        }
+
+    def move(self, kind: Kind, bucket: int, owner: GroupId) -> None:
+        """This agent moves ``bucket`` to ``owner``: the view changes now, etcd at the next
+        publish."""
+        state = self._kinds[kind]
+        before = state.table
+        after = before.reassign(bucket, bucket + 1, owner)
+        touched = before.keys_around(bucket, bucket + 1) | after.keys_around(bucket, bucket + 1)
+        state.table = after
+        state.pending.append((bucket, bucket + 1, owner))
+        state.debouncer = state.debouncer.touch(touched)
+        state.since_flush |= touched
+        self.moves += 1
+
+    # -- what etcd holds ---------------------------------------------------------------------
+
+    def load(
+        self,
+        kind: Kind,
+        entries: Mapping[int, Stored],
+        *,
+        unusable: Mapping[int, int] | None = None,
+    ) -> None:
+        """Everything etcd holds for ``kind`` now (after a read): replaces what was known.
+        ``unusable``: keys that hold a value the agent ignores, and their mod revisions (a
+        write to one must compare against them)."""
+        state = self._kinds[kind]
+        state.known = {k: e.range for k, e in entries.items()}
+        state.revs = {k: e.mod_revision for k, e in entries.items()}
+        state.unusable = dict(unusable or {})
+        state.gone.clear()
+        self._rebuild(state)
+
+    def changed(
+        self, kind: Kind, first: int, value: Range | None, revision: int, *, unusable: bool = False
+    ) -> bool:
+        """One watched change (``value`` None: deleted, or ``unusable``); old news is ignored.
+        Call :meth:`rebuild` after a batch.  True if it was news."""
+        state = self._kinds[kind]
+        seen = max(state.revs.get(first, 0), state.gone.get(first, 0), state.unusable.get(first, 0))
+        if revision <= seen:
+            return False
+        state.known.pop(first, None)
+        state.revs.pop(first, None)
+        state.gone.pop(first, None)
+        state.unusable.pop(first, None)
+        if value is not None:
+            state.known[first] = value
+            state.revs[first] = revision
+        elif unusable:
+            state.unusable[first] = revision
+        else:
+            state.gone[first] = revision
+        return True
+
+    def rebuild(self, kind: Kind) -> None:
+        self._rebuild(self._kinds[kind])
+
+    def _rebuild(self, state: _KindState) -> None:
+        order = sorted(state.known, key=lambda k: (state.revs.get(k, 0), k))
+        allowed = set(self.weights)
+        table = self._base[state.kind].paint((state.known[k] for k in order), allowed=allowed)
+        touched: set[int] = set()
+        for first, end, owner in state.pending:  # own unpublished moves stay on top
+            if owner not in allowed:
+                continue
+            touched |= table.keys_around(first, end)
+            table = table.reassign(first, end, owner)
+            touched |= table.keys_around(first, end)
+        state.table = table
+        state.debouncer = state.debouncer.touch(touched)
+        self.reads += 1
+
+    # -- publishing --------------------------------------------------------------------------
+
+    def due_at(self) -> float | None:
+        dues = [d for s in self._kinds.values() if (d := s.debouncer.due_at()) is not None]
+        return min(dues) if dues else None
+
+    def flush(self, kind: Kind, *, now: float) -> Publish | None:
+        """What to write for ``kind`` now, or ``None`` (nothing due, or nothing differs)."""
+        state = self._kinds[kind]
+        debouncer, change = state.debouncer.flush(state.known, state.table.entries(), now=now)
+        if change.empty:
+            state.debouncer = debouncer
+            if not state.debouncer.dirty:
+                state.pending.clear()  # every own move is in etcd already (or undone by others)
+            return None
+        touched = [r.first for r in change.puts] + list(change.deletes)
+        state.since_flush = set()
+        return Publish(
+            kind=kind,
+            diff=change,
+            expect={k: state.revs.get(k, state.unusable.get(k, 0)) for k in touched},
+            debouncer=debouncer,
+            moves=len(state.pending),
+        )
+
+    def published(self, publish: Publish, *, revision: int) -> None:
+        """``publish`` was written at ``revision``."""
+        state = self._kinds[publish.kind]
+        for k in publish.diff.deletes:
+            state.known.pop(k, None)
+            state.revs.pop(k, None)
+            state.gone[k] = revision
+        for r in publish.diff.puts:
+            state.known[r.first] = r
+            state.revs[r.first] = revision
+            state.gone.pop(r.first, None)
+            state.unusable.pop(r.first, None)
+        del state.pending[: publish.moves]
+        state.debouncer = publish.debouncer.touch(state.since_flush)
+        state.since_flush = set()
+
+
+# -- the routing policy ----------------------------------------------------------------------------
+
+
+def _load(node: NodeView) -> float:
+    """Requests on a node: this agent's in flight, or the engine's running count when other
+    agents put more there, plus what waits in the engine.  Unknown telemetry: ours only."""
+    if node.telemetry is None:
+        return float(node.in_flight)
+    return float(max(node.in_flight, node.telemetry.running) + node.telemetry.waiting)
+
+
+class GroupPolicy:
+    """``groups``: the request's bucket (session id, else prompt prefix) -> its group in the
+    shared table -> a GPU of that group by ``groups.choose_member``.  A group far busier per GPU
+    than the least-loaded one loses the bucket to it (``groups.choose``); the move is published.
+    A request with neither a session nor a full prompt block goes to the least-loaded node."""
+
+    name = GROUPS_POLICY
+
+    def __init__(self, tables: GroupTables, *, block_tokens: int) -> None:
+        self.tables = tables
+        s = tables.settings
+        self._guard = groups.Guard(
+            abs_threshold=s.move_abs_threshold, rel_threshold=s.move_rel_threshold
+        )
+        self._memory: collections.OrderedDict[int, NodeId] = collections.OrderedDict()
+        self._memory_cap = s.memory_keys
+        self._block_tokens = block_tokens
+
+    def key_of(self, request: RequestView) -> tuple[Kind, int] | None:
+        if request.session_key:
+            return "session", groups.session_key(request.session_key)
+        blocks = request.block_hashes
+        if request.block_tokens != self._block_tokens or not blocks:
+            return None
+        key = groups.prefix_key(blocks, key_blocks=self.tables.settings.key_blocks)
+        return None if key is None else ("prefix", key)
+
+    def choose(
+        self,
+        request: RequestView,
+        nodes: Sequence[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        ready = routing.candidates(request, nodes)
+        if not ready:
+            return Decision(node=None, reason="groups: no node can take it now")
+        self.tables.sync()
+        keyed = self.key_of(request)
+        if keyed is None:
+            pick = min(ready, key=lambda n: (_load(n) + 1) / max(n.weight, 1e-6))
+            return Decision(node=pick.node_id, reason="groups: no routing key, least loaded")
+        kind, key = keyed
+        tables = self.tables
+        bucket = groups.bucket_of(key, n_buckets=tables.settings.n_buckets)
+        # group loads over every routable node serving the model, slots full or not: a group
+        # whose slots are full waits for them rather than losing its buckets
+        per_group: dict[GroupId, list[float]] = {}
+        for n in nodes:
+            if n.routable and request.model in n.models:
+                grp = tables.group_of.get(n.node_id, GroupId(n.node_id))
+                per_group.setdefault(grp, []).append(_load(n))
+        loads = {g: sum(v) / len(v) for g, v in per_group.items()}
+        home = tables.table(kind).lookup(bucket)
+        choice = groups.choose(home, loads, guard=self._guard, rng=rng)
+        grp = GroupId(choice.owner)
+        members = {
+            n.node_id: _load(n) for n in ready if tables.group_of.get(n.node_id, n.node_id) == grp
+        }
+        if not members:
+            return Decision(
+                node=None, reason=f"groups: {kind} bucket {bucket} -> {grp}, slots full"
+            )
+        if choice.changed and grp in tables.weights:
+            tables.move(kind, bucket, grp)
+        remembered = self._memory.get(key)
+        member = groups.choose_member(key, members, remembered=remembered, guard=self._guard)
+        node = NodeId(member.owner)
+        self._memory[key] = node
+        self._memory.move_to_end(key)
+        while len(self._memory) > self._memory_cap:
+            self._memory.popitem(last=False)
+        return Decision(
+            node=node,
+            reason=f"groups: {kind} bucket {bucket} -> {grp} ({choice.reason}); {member.reason}",
+        )
+
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        return None
+
+    def forget_node(self, node: NodeId) -> None:
+        for key in [k for k, v in self._memory.items() if v == node]:
+            del self._memory[key]
+        self.tables.sync()
+
+
+def stored_entries(values: Iterable[tuple[int, Range, int]]) -> dict[int, Stored]:
+    """``(first, range, mod_revision)`` triples as :meth:`GroupTables.load` takes them."""
+    return {first: Stored(range=r, mod_revision=rev) for first, r, rev in values}
