@@ -68,7 +68,7 @@ def _settings(bind: BindServer, **dns: Any) -> ControllerSettings:
         failover={"window_s": WINDOW_S, "min_hold_s": 0.0},
         regions=REGIONS,
         dns=dns_settings(bind, **dns),
-    )  # type: ignore[arg-type]
+    )
 
 
 def _steering(
