@@ -3,19 +3,23 @@
 meridian-sim node --port 8001 --profile h100-llama3-8b [--model NAME] [--time-scale X]
                   [--seed N] [--host 127.0.0.1] [--legacy-metrics]
 meridian-sim profiles
+meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
+                   [--scrape-interval-s S] [--profile NAME] [--duration-s D] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import service
-from simulator import node, profile
+from simulator import fleet, node, profile, workloads
 
 log = logging.getLogger("meridian.sim")
 
@@ -27,6 +31,26 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -66,6 +90,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("profiles", help="list the built-in GPU profiles")
+    f = sub.add_parser(
+        "fleet", help="simulate a fleet behind regional agents on a trace, in virtual time"
+    )
+    f.add_argument("--trace", required=True, help="Mooncake .jsonl or Azure .csv trace")
+    f.add_argument("--nodes", type=_positive_int, required=True, help="GPUs (one engine each)")
+    f.add_argument(
+        "--policy", required=True, choices=fleet.POLICIES, help="routing policy, or oracle"
+    )
+    f.add_argument(
+        "--load",
+        type=_positive_float,
+        required=True,
+        help="arrival rate as a fraction of the fleet's capacity (0.8: 80 %%)",
+    )
+    f.add_argument("--regions", type=_positive_int, default=1, help="regions (default 1)")
+    f.add_argument(
+        "--scrape-interval-s",
+        type=_nonneg_float,
+        default=0.25,
+        help="telemetry scrape interval, seconds; 0 = fresh (default 0.25, the agent's)",
+    )
+    f.add_argument(
+        "--stale-after-s",
+        type=_positive_float,
+        help="a scrape older than this is unknown (default max(1, 4 x scrape interval))",
+    )
+    f.add_argument("--profile", default="h100-llama3-8b", help="node profile (default h100)")
+    f.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=131072,
+        help="context limit of the nodes (default 131072, Llama-3.1-8B's; the profile's "
+        "timing and KV cache are kept)",
+    )
+    f.add_argument(
+        "--duration-s",
+        type=_positive_float,
+        help="keep the arrivals of the first D seconds after scaling (default: whole trace)",
+    )
+    f.add_argument("--limit", type=_positive_int, help="read at most this many requests")
+    f.add_argument(
+        "--capacity-rps",
+        type=_positive_float,
+        help="one node's capacity in requests/s (default: measured on the trace's mix)",
+    )
+    f.add_argument("--slots", type=_positive_int, default=64, help="agent slots per node")
+    f.add_argument("--seed", type=int, default=0, help="seed for routing and scrape phases")
+    f.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    f.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return parser
 
 
@@ -87,8 +160,60 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
     await service.serve(app, host=host, port=port, handler_cancellation=True, on_ready=ready)
 
 
+def _format(value: float | int | str) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    try:
+        prof = fleet.with_context(profile.load(args.profile), args.max_model_len)
+        requests = workloads.read_trace(args.trace, limit=args.limit)
+        config = fleet.FleetConfig(
+            nodes=args.nodes,
+            policy=args.policy,
+            regions=args.regions,
+            scrape_interval_s=args.scrape_interval_s,
+            stale_after_s=args.stale_after_s,
+            slots_per_node=args.slots,
+            seed=args.seed,
+        )
+        progress = None if args.quiet else sys.stderr
+        if progress is not None and args.capacity_rps is None:
+            print("fleet: measuring one node's capacity on the trace's mix", file=progress)
+        work = fleet.at_load(
+            requests,
+            prof,
+            nodes=args.nodes,
+            load=args.load,
+            slots_per_node=args.slots,
+            duration_s=args.duration_s,
+            node_capacity_rps=args.capacity_rps,
+        )
+        result = fleet.simulate(prof, work.requests, config, progress=progress)
+    except (profile.ProfileError, workloads.WorkloadError, fleet.FleetError) as exc:
+        print(f"meridian-sim: {exc}", file=sys.stderr)
+        return 2
+    figures: dict[str, float | int | str] = {
+        "trace": str(args.trace),
+        "profile": prof.name,
+        "load": args.load,
+        "node_capacity_rps": work.node_capacity_rps,
+        "arrival_rate_per_s": work.rate_per_s,
+        **result.summary,
+    }
+    for key, value in figures.items():
+        print(f"{key}: {_format(value)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "fleet":
+        return _fleet(args)
     if args.command == "profiles":
         for name in profile.builtin_names():
             p = profile.load(name)

@@ -1,0 +1,28 @@
+"""The fleet simulator: hundreds of simulated vLLM engines behind regional agents, in virtual
+time, routed by the same ``policies`` code as the agent (``meridian-sim fleet``)."""
+
+from simulator.fleet.sim import (
+    POLICIES,
+    Fleet,
+    FleetConfig,
+    FleetError,
+    FleetResult,
+    Outcome,
+    Workload,
+    at_load,
+    simulate,
+    with_context,
+)
+
+__all__ = [
+    "POLICIES",
+    "Fleet",
+    "FleetConfig",
+    "FleetError",
+    "FleetResult",
+    "Outcome",
+    "Workload",
+    "at_load",
+    "simulate",
+    "with_context",
+]

@@ -1,0 +1,634 @@
+"""The fleet simulator: many engines, regional agents and their policies, in virtual time.
+
+One event loop (a heap of timed events, ties in the order they were scheduled) drives:
+
+- **Nodes.**  One :class:`simulator.engine.Engine` per GPU, the same engine and profile as
+  ``meridian-sim node``.  A busy node's step is computed when it starts (the batch is fixed
+  then) and its results — tokens, finished requests — land when it ends; the next step starts
+  at once while work remains, as in the offline replay.  An idle node starts a step as soon as
+  a request reaches it.
+- **Regional agents.**  Each region has its own agent: the routing policy from
+  ``policies.routing.create`` (or :class:`~simulator.fleet.oracle.Oracle`), the central queue,
+  its own accounting and its own telemetry.  What an agent knows of a node is what
+  ``regional_agent.nodes.NodePool.view`` gives the policy: ``in_flight`` and
+  ``in_flight_tokens`` (prompt plus ``max_tokens``), counted when the agent sends a request and
+  released when its last token arrives; ``slots`` per node; and the last scrape of the node's
+  ``running``, ``waiting`` and ``kv_util``, or ``None`` before the first scrape and once older
+  than ``stale_after_s``.  Scrapes of a region's nodes happen together every
+  ``scrape_interval_s`` (the scraper's tick), at a random phase per region; with
+  ``scrape_interval_s = 0`` every decision sees the live engine state ("fresh").
+- **The central queue**, as ``regional_agent.queue.dispatcher``: a request is routed when it
+  arrives if nobody waits ahead of it; otherwise, or when the policy finds no free slot, it
+  waits, first come first served (traces carry one priority class), until a slot frees or a
+  scrape lands; past ``max_depth`` waiting it is refused (the agent's 429), and after
+  ``deadline_s`` in the queue it is dropped (504).  Prefix routing learns from
+  ``observe_routed`` exactly as the agent does.
+
+Requests go to a region by a stable hash of their session (the trace's session key, else the
+conversation's first own block id), as DNS steering keeps a client in one region.  Nothing
+crosses regions.  Not modelled: network and proxy latency (zero), health, failures, drains,
+slow start, retries, the scrape's own latency, per-request output-length sampling (every
+request generates exactly its trace ``output_length``).
+
+Every request ends exactly once: finished by its node, or refused (``queue_full``,
+``deadline``, ``too_large``) with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, TextIO
+
+from policies import admission, routing
+from policies.model import NodeId, NodeView, RequestView, Telemetry
+from simulator import workloads
+from simulator.engine import Engine, RequestRecord, StepResult
+from simulator.fleet.oracle import Oracle
+from simulator.offline import percentile
+from simulator.profile import Profile
+from simulator.workloads import BlockHasher, TraceRequest, prompt_of
+
+POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, "oracle")
+MODEL: Final = "model"
+
+_ARRIVE: Final = 0
+_STEP_END: Final = 1
+_SCRAPE: Final = 2
+_DEADLINE: Final = 3
+_ENGINE_ADD: Final = 4
+
+
+class FleetError(ValueError):
+    """A fleet configuration that cannot run (the message names the field)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetConfig:
+    nodes: int
+    policy: str = "meridian"
+    regions: int = 1
+    scrape_interval_s: float = 0.25
+    """Seconds between telemetry scrapes (the agent's default); 0: fresh, live state."""
+    stale_after_s: float | None = None
+    """A scrape older than this is unknown; default ``max(1.0, 4 * scrape_interval_s)``."""
+    slots_per_node: int = 64
+    max_depth: int = 1024
+    deadline_s: float = 120.0
+    prefix_block_tokens: int = 16
+    routing: routing.RoutingConfig = field(default_factory=routing.RoutingConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise FleetError(f"nodes must be at least 1, got {self.nodes}")
+        if not 1 <= self.regions <= self.nodes:
+            raise FleetError(f"regions must be 1..nodes ({self.nodes}), got {self.regions}")
+        if self.policy not in POLICIES:
+            raise FleetError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES)}")
+        if self.scrape_interval_s < 0:
+            raise FleetError("scrape_interval_s must be >= 0")
+        if self.stale_after_s is not None and self.stale_after_s <= 0:
+            raise FleetError("stale_after_s must be > 0")
+
+    @property
+    def fresh(self) -> bool:
+        return self.scrape_interval_s == 0 or self.policy == "oracle"
+
+    @property
+    def stale_limit_s(self) -> float:
+        if self.stale_after_s is not None:
+            return self.stale_after_s
+        return max(1.0, 4 * self.scrape_interval_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """What happened to one request of the trace."""
+
+    index: int
+    region: int
+    node: str | None  # None: refused
+    refused: str | None  # queue_full, deadline, too_large
+    arrival_s: float
+    dispatched_s: float | None
+    queued_s: float | None  # entered the node's engine queue
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finished_s: float | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetResult:
+    outcomes: tuple[Outcome, ...]
+    summary: dict[str, float | int | str]
+
+
+class _Node:
+    __slots__ = (
+        "busy",
+        "engine",
+        "in_flight",
+        "in_flight_tokens",
+        "index",
+        "node_id",
+        "region",
+        "result",
+        "scrape",
+        "view",
+    )
+
+    def __init__(self, *, index: int, node_id: NodeId, region: int, engine: Engine) -> None:
+        self.index = index
+        self.node_id = node_id
+        self.region = region
+        self.engine = engine
+        self.busy = False
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+        self.scrape: tuple[float, int, int, float] | None = None  # taken_s, running, waiting, kv
+        self.view: NodeView | None = None  # cached; None: rebuild
+        self.result: StepResult | None = None  # the step in progress, landing at its end
+
+
+class _Region:
+    __slots__ = ("by_id", "nodes", "policy", "queue", "rng")
+
+    def __init__(self, *, nodes: list[_Node], policy: routing.Policy, rng: random.Random) -> None:
+        self.nodes = nodes
+        self.by_id = {n.node_id: n for n in nodes}
+        self.policy = policy
+        self.rng = rng
+        self.queue: deque[int] = deque()
+
+
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def region_of(request: TraceRequest, index: int, regions: int) -> int:
+    """The region a request's client is steered to: stable per session."""
+    if regions == 1:
+        return 0
+    if request.session is not None:
+        key = request.session
+    elif len(request.hash_ids) > 1:
+        key = f"b{request.hash_ids[1]}"
+    else:
+        key = f"i{index}"
+    return _stable_hash(key) % regions
+
+
+class Fleet:
+    """One run: build it, call :meth:`run` once."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        requests: Sequence[TraceRequest],
+        config: FleetConfig,
+        *,
+        progress: TextIO | None = None,
+        hasher: BlockHasher | None = None,
+    ) -> None:
+        if config.policy == "oracle" and config.prefix_block_tokens != profile.block_size:
+            raise FleetError(
+                "the oracle needs prefix_block_tokens equal to the profile's block_size "
+                f"({profile.block_size})"
+            )
+        self.profile = profile
+        self.requests = requests
+        self.config = config
+        self._progress = progress
+        self._agent_hasher = (
+            hasher
+            if hasher is not None and hasher.block_size == config.prefix_block_tokens
+            else BlockHasher(block_size=config.prefix_block_tokens)
+        )
+        self._engine_hasher = (
+            self._agent_hasher
+            if profile.block_size == config.prefix_block_tokens
+            else BlockHasher(block_size=profile.block_size)
+        )
+        self._overhead_s = profile.timing.request_overhead_ms / 1000.0
+        self._events: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._nodes: list[_Node] = []
+        self._regions: list[_Region] = []
+        self._build()
+        self._by_id = {n.node_id: n for n in self._nodes}
+        n = len(requests)
+        self._views: list[RequestView | None] = [None] * n
+        self._region_of = [region_of(r, i, config.regions) for i, r in enumerate(requests)]
+        self._dispatched: list[float | None] = [None] * n
+        self._node_of: list[int | None] = [None] * n
+        self._refused: list[str | None] = [None] * n
+        self._records: list[RequestRecord | None] = [None] * n
+        self.num_steps = 0
+        self.num_decisions = 0
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg = self.config
+        master = random.Random(cfg.seed)
+        per = [cfg.nodes // cfg.regions + (1 if r < cfg.nodes % cfg.regions else 0)
+               for r in range(cfg.regions)]  # fmt: skip
+        for r, count in enumerate(per):
+            nodes = []
+            for i in range(count):
+                node = _Node(
+                    index=len(self._nodes),
+                    node_id=NodeId(f"r{r}-n{i:03d}"),
+                    region=r,
+                    engine=Engine(self.profile, rng=random.Random(master.getrandbits(64))),
+                )
+                nodes.append(node)
+                self._nodes.append(node)
+            policy = self._make_policy()
+            self._regions.append(
+                _Region(nodes=nodes, policy=policy, rng=random.Random(master.getrandbits(64)))
+            )
+            if not cfg.fresh:
+                phase = master.uniform(0, cfg.scrape_interval_s)
+                self._push(phase, _SCRAPE, r)
+
+    def _make_policy(self) -> routing.Policy:
+        cfg = self.config
+        if cfg.policy != "oracle":
+            return routing.create(cfg.policy, cfg.routing)
+        return Oracle(cfg.routing, cached_blocks=self._cached_blocks)
+
+    def _cached_blocks(self, node_id: NodeId, request: RequestView) -> int:
+        kv = self._by_id[node_id].engine.kv
+        max_blocks = (request.prompt_tokens - 1) // kv.block_size
+        return len(kv.lookup(list(request.block_hashes), max_blocks=max_blocks))
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, arg: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, arg))
+
+    def run(self) -> FleetResult:
+        started = time.monotonic()
+        for i, r in enumerate(self.requests):
+            self._push(r.timestamp_s, _ARRIVE, i)
+        total = len(self.requests)
+        last_arrival = self.requests[-1].timestamp_s if self.requests else 0.0
+        done = 0
+        next_report = started + 2.0
+        now = 0.0
+        events = self._events
+        while events:
+            now, _, kind, arg = heapq.heappop(events)
+            if kind == _STEP_END:
+                node = self._nodes[arg]
+                result = node.result
+                assert result is not None
+                node.result = None
+                done += self._step_end(node, result, now)
+            elif kind == _ARRIVE:
+                done += self._arrive(arg, now)
+            elif kind == _SCRAPE:
+                self._scrape(arg, now)
+                if done < total:
+                    self._push(now + self.config.scrape_interval_s, _SCRAPE, arg)
+            elif kind == _DEADLINE:
+                done += self._deadline(arg, now)
+            else:
+                self._engine_add(arg, now)
+            if self._progress is not None and self._seq % 256 == 0:
+                wall = time.monotonic()
+                if wall >= next_report:
+                    next_report = wall + 2.0
+                    print(
+                        f"fleet {self.config.policy} n={self.config.nodes}: "
+                        f"t={now:.0f}/{last_arrival:.0f} s virtual, {done}/{total} done, "
+                        f"{wall - started:.0f} s wall",
+                        file=self._progress,
+                        flush=True,
+                    )
+        wall_s = time.monotonic() - started
+        outcomes = self._outcomes()
+        if any(o.finished_s is None and o.refused is None for o in outcomes):
+            raise RuntimeError("fleet simulation ended with unfinished requests")
+        return FleetResult(outcomes=outcomes, summary=self._summary(outcomes, wall_s))
+
+    # -- agent -------------------------------------------------------------------------------
+
+    def _request_view(self, i: int) -> RequestView:
+        view = self._views[i]
+        if view is None:
+            r = self.requests[i]
+            view = RequestView(
+                model=MODEL,
+                prompt_tokens=r.input_length,
+                max_tokens=r.output_length,
+                block_hashes=self._agent_hasher.hashes(r),
+                block_tokens=self.config.prefix_block_tokens,
+                session_key=r.session,
+            )
+            self._views[i] = view
+        return view
+
+    def _arrive(self, i: int, now: float) -> int:
+        r = self.requests[i]
+        total = r.input_length + r.output_length
+        if total > self.profile.max_model_len or total > self.profile.kv_cache_tokens:
+            self._refused[i] = "too_large"
+            return 1
+        region = self._regions[self._region_of[i]]
+        if not region.queue and self._try_route(region, i, now):
+            return 0
+        if not admission.admit(len(region.queue), max_depth=self.config.max_depth):
+            self._refused[i] = "queue_full"
+            return 1
+        region.queue.append(i)
+        self._push(now + self.config.deadline_s, _DEADLINE, i)
+        return 0
+
+    def _deadline(self, i: int, now: float) -> int:
+        if self._dispatched[i] is not None or self._refused[i] is not None:
+            return 0
+        self._regions[self._region_of[i]].queue.remove(i)
+        self._refused[i] = "deadline"
+        return 1
+
+    def _pump(self, region: _Region, now: float) -> None:
+        queue = region.queue
+        while queue and self._try_route(region, queue[0], now):
+            queue.popleft()
+
+    def _node_views(self, region: _Region, now: float) -> list[NodeView]:
+        cfg = self.config
+        out = []
+        stale_limit = cfg.stale_limit_s
+        for node in region.nodes:
+            view = node.view
+            if view is not None and not cfg.fresh:
+                scrape = node.scrape
+                if (
+                    scrape is not None
+                    and view.telemetry is not None
+                    and now - scrape[0] > stale_limit
+                ):
+                    view = None  # went stale
+            if view is None or cfg.fresh:
+                view = self._node_view(node, now)
+                node.view = view
+            out.append(view)
+        return out
+
+    def _node_view(self, node: _Node, now: float) -> NodeView:
+        cfg = self.config
+        telemetry: Telemetry | None = None
+        if cfg.fresh:
+            e = node.engine
+            telemetry = Telemetry(
+                age_s=0.0,
+                running=e.num_running,
+                waiting=e.num_waiting,
+                kv_util=e.kv_usage,
+                prefix_hit_rate=None,
+                block_size=self.profile.block_size,
+            )
+        elif node.scrape is not None and now - node.scrape[0] <= cfg.stale_limit_s:
+            taken, running, waiting, kv = node.scrape
+            telemetry = Telemetry(
+                age_s=now - taken,
+                running=running,
+                waiting=waiting,
+                kv_util=kv,
+                prefix_hit_rate=None,
+                block_size=self.profile.block_size,
+            )
+        return NodeView(
+            node_id=node.node_id,
+            models=frozenset((MODEL,)),
+            in_flight=node.in_flight,
+            in_flight_tokens=node.in_flight_tokens,
+            slots=cfg.slots_per_node,
+            telemetry=telemetry,
+        )
+
+    def _try_route(self, region: _Region, i: int, now: float) -> bool:
+        request = self._request_view(i)
+        views = self._node_views(region, now)
+        self.num_decisions += 1
+        decision = region.policy.choose(request, views, now=now, rng=region.rng)
+        if decision.node is None:
+            return False
+        node = region.by_id[decision.node]
+        node.in_flight += 1
+        node.in_flight_tokens += request.prompt_tokens + request.max_tokens
+        node.view = None
+        region.policy.observe_routed(request, decision.node, now=now)
+        self._dispatched[i] = now
+        self._node_of[i] = node.index
+        if self._overhead_s > 0:
+            self._push(now + self._overhead_s, _ENGINE_ADD, i)
+        else:
+            self._engine_add(i, now)
+        return True
+
+    def _scrape(self, r: int, now: float) -> None:
+        region = self._regions[r]
+        for node in region.nodes:
+            e = node.engine
+            node.scrape = (now, e.num_running, e.num_waiting, e.kv_usage)
+            node.view = None
+        self._pump(region, now)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def _engine_add(self, i: int, now: float) -> None:
+        node_i = self._node_of[i]
+        assert node_i is not None
+        node = self._nodes[node_i]
+        r = self.requests[i]
+        node.engine.add(
+            str(i),
+            prompt_of(r),
+            max_tokens=r.output_length,
+            ignore_eos=True,
+            now=now,
+            arrival_s=r.timestamp_s,
+            block_hashes=self._engine_hasher.hashes(r),
+        )
+        if not node.busy:
+            self._start_step(node, now)
+
+    def _start_step(self, node: _Node, now: float) -> None:
+        result = node.engine.step(now=now)
+        self.num_steps += 1
+        if result.num_scheduled_tokens == 0:
+            if node.engine.has_unfinished:
+                raise RuntimeError(f"node {node.node_id}: engine stalled with work queued")
+            node.busy = False
+            return
+        node.busy = True
+        node.result = result
+        self._push(now + result.duration_s, _STEP_END, node.index)
+
+    def _step_end(self, node: _Node, result: StepResult, now: float) -> int:
+        for rec in result.finished:
+            i = int(rec.request_id)
+            self._records[i] = rec
+            r = self.requests[i]
+            node.in_flight -= 1
+            node.in_flight_tokens -= r.input_length + r.output_length
+            node.view = None
+        if node.engine.has_unfinished:
+            self._start_step(node, now)
+        else:
+            node.busy = False
+        if result.finished:
+            region = self._regions[node.region]
+            if region.queue:
+                self._pump(region, now)
+        return len(result.finished)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _outcomes(self) -> tuple[Outcome, ...]:
+        out = []
+        for i, r in enumerate(self.requests):
+            rec = self._records[i]
+            node_i = self._node_of[i]
+            out.append(
+                Outcome(
+                    index=i,
+                    region=self._region_of[i],
+                    node=None if node_i is None else self._nodes[node_i].node_id,
+                    refused=self._refused[i],
+                    arrival_s=r.timestamp_s,
+                    dispatched_s=self._dispatched[i],
+                    queued_s=None if rec is None else rec.queued_s,
+                    first_scheduled_s=None if rec is None else rec.first_scheduled_s,
+                    first_token_s=None if rec is None else rec.first_token_s,
+                    finished_s=None if rec is None else rec.finished_s,
+                    prompt_tokens=r.input_length,
+                    cached_prompt_tokens=0 if rec is None else rec.cached_prompt_tokens,
+                    output_tokens=0 if rec is None else rec.generation_tokens,
+                )
+            )
+        return tuple(out)
+
+    def _summary(self, outcomes: Sequence[Outcome], wall_s: float) -> dict[str, float | int | str]:
+        done = [o for o in outcomes if o.finished_s is not None]
+        ttft = [o.first_token_s - o.arrival_s for o in done if o.first_token_s is not None]
+        e2e = [o.finished_s - o.arrival_s for o in done if o.finished_s is not None]
+        queue = [
+            (o.dispatched_s - o.arrival_s) + (o.first_scheduled_s - o.queued_s)
+            for o in done
+            if o.dispatched_s is not None
+            and o.first_scheduled_s is not None
+            and o.queued_s is not None
+        ]
+        agent_queue = [o.dispatched_s - o.arrival_s for o in done if o.dispatched_s is not None]
+        prompt_tokens = sum(o.prompt_tokens for o in done)
+        cached = sum(o.cached_prompt_tokens for o in done)
+        output = sum(o.output_tokens for o in done)
+        start = min((o.arrival_s for o in outcomes), default=0.0)
+        end = max((o.finished_s for o in done if o.finished_s is not None), default=start)
+        span = max(end - start, 1e-9)
+        refused: dict[str, int] = {}
+        for o in outcomes:
+            if o.refused is not None:
+                refused[o.refused] = refused.get(o.refused, 0) + 1
+        preemptions = sum(n.engine.stats.num_preemptions for n in self._nodes)
+        cfg = self.config
+        return {
+            "policy": cfg.policy,
+            "nodes": cfg.nodes,
+            "regions": cfg.regions,
+            "scrape_interval_s": cfg.scrape_interval_s,
+            "requests": len(outcomes),
+            "completed": len(done),
+            "refused_queue_full": refused.get("queue_full", 0),
+            "refused_deadline": refused.get("deadline", 0),
+            "refused_too_large": refused.get("too_large", 0),
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p90_s": percentile(ttft, 0.9),
+            "ttft_p99_s": percentile(ttft, 0.99),
+            "e2e_p50_s": percentile(e2e, 0.5),
+            "e2e_p99_s": percentile(e2e, 0.99),
+            "queue_wait_p50_s": percentile(queue, 0.5),
+            "queue_wait_p99_s": percentile(queue, 0.99),
+            "agent_queue_wait_p99_s": percentile(agent_queue, 0.99),
+            "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+            "throughput_tok_s": output / span,
+            "preemptions": preemptions,
+            "virtual_s": span,
+            "wall_s": wall_s,
+            "engine_steps": self.num_steps,
+            "decisions": self.num_decisions,
+        }
+
+
+def simulate(
+    profile: Profile,
+    requests: Sequence[TraceRequest],
+    config: FleetConfig,
+    *,
+    progress: TextIO | None = None,
+    hasher: BlockHasher | None = None,
+) -> FleetResult:
+    """Run ``requests`` (sorted by ``timestamp_s``) through a fleet; see the module docstring."""
+    return Fleet(profile, requests, config, progress=progress, hasher=hasher).run()
+
+
+def with_context(profile: Profile, max_model_len: int | None) -> Profile:
+    """The profile with a longer context (same timing and KV cache), e.g. Llama-3.1's 128k."""
+    if max_model_len is None or max_model_len == profile.max_model_len:
+        return profile
+    return dataclasses.replace(profile, max_model_len=max_model_len)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """A trace prepared for one fleet size and load."""
+
+    requests: tuple[TraceRequest, ...]
+    node_capacity_rps: float  # one node's capacity on this length mix (no prefix reuse)
+    rate_per_s: float  # the arrival rate the trace was scaled to
+    load: float
+
+
+def at_load(
+    requests: Sequence[TraceRequest],
+    profile: Profile,
+    *,
+    nodes: int,
+    load: float,
+    slots_per_node: int = 64,
+    duration_s: float | None = None,
+    min_requests: int = 0,
+    node_capacity_rps: float | None = None,
+) -> Workload:
+    """Scale ``requests`` to ``load`` times the fleet's capacity, then keep the first
+    ``duration_s`` seconds of arrivals (at least ``min_requests`` requests, when the trace has
+    them).  Capacity is ``nodes * workloads.node_capacity_rps(...)`` unless given."""
+    if load <= 0:
+        raise FleetError(f"load must be > 0, got {load}")
+    cap = (
+        node_capacity_rps
+        if node_capacity_rps is not None
+        else workloads.node_capacity_rps(profile, requests, slots=slots_per_node)
+    )
+    rate = load * nodes * cap
+    scaled = workloads.scale_to_rate(requests, rate_per_s=rate)
+    if duration_s is not None:
+        keep = sum(1 for r in scaled if r.timestamp_s < duration_s)
+        scaled = scaled[: max(keep, min(min_requests, len(scaled)))]
+    return Workload(requests=tuple(scaled), node_capacity_rps=cap, rate_per_s=rate, load=load)
