@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 import service
+from controlplane.api.settings import ApiSettings
 from controlplane.dns.settings import DnsSettings
 from wire.models import REGION_ID, RESIDENCY_TAG
 
@@ -138,6 +139,10 @@ class ControllerSettings(BaseSettings):
     )
     events: EventSettings = EventSettings()
     server: ServerSettings = ServerSettings()
+    api: ApiSettings = Field(
+        default_factory=ApiSettings,
+        description="the admin API: port, TLS, bearer tokens (controlplane/api/settings.py)",
+    )
     dns: DnsSettings = Field(
         default_factory=DnsSettings,
         description="DNS steering: server, views, TSIG keys; off by default (docs/dns.md)",

@@ -8,18 +8,29 @@ written.  A new leader continues from the stored plan, so killing the leader cha
 
 Fail static: when etcd is unreachable the pass raises ``StoreUnavailable`` and nothing changes;
 the runner tries again and converges when etcd is back.
+
+The failover policy's knobs come from the settings, overridden by what an admin stored under
+``controller/policies`` through the admin API (read every pass: applied from the next window).
+The admin API also uses ``prepare`` to show an action's plan (a dry run, with the operator's
+override applied) and commits it with ``commit``; ``pass_lock`` keeps one pass at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import uuid
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
+
+from controlplane.api import keys as api_keys
+from controlplane.api.models import PolicyValues, StoredPolicies
 from controlplane.clock import Clock
 from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
@@ -28,7 +39,14 @@ from controlplane.store.etcd import Fence
 from policies import failover
 from policies.failover import RegionId
 from wire import keys
-from wire.models import Event, FleetPlan, RegionDesired, RegionHealth, RegionStatus
+from wire.models import (
+    Event,
+    FleetPlan,
+    RegionDesired,
+    RegionHealth,
+    RegionOverride,
+    RegionStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +60,31 @@ class PassResult:
     recheck_after_s: float
 
 
-def config_from(settings: ControllerSettings) -> failover.FailoverConfig:
+def policy_values(settings: ControllerSettings) -> PolicyValues:
+    """The policy knobs as configured (before any admin override)."""
     f = settings.failover
+    return PolicyValues(
+        window_s=f.window_s,
+        strikes=f.strikes,
+        recovery_windows=f.recovery_windows,
+        ramp=list(f.ramp),
+        min_hold_s=f.min_hold_s,
+        status_stale_s=f.status_stale_s,
+        min_healthy_fraction=f.min_healthy_fraction,
+        max_error_rate=f.max_error_rate,
+        ttft_p99_slo_s=f.ttft_p99_slo_s,
+        prewarm_fraction=f.prewarm_fraction,
+    )
+
+
+def config_from(
+    settings: ControllerSettings, policies: PolicyValues | None = None
+) -> failover.FailoverConfig:
+    return failover_config(policies or policy_values(settings))
+
+
+def failover_config(f: PolicyValues) -> failover.FailoverConfig:
+    """The policy's config from these knobs; ValueError names a bad one."""
     return failover.FailoverConfig(
         window_s=f.window_s,
         strikes=f.strikes,
@@ -83,6 +124,31 @@ def topology_from(
         for b, ms in row.items()
     }
     return failover.Topology.build(infos.values(), latency)
+
+
+async def stored_policies(store: Store) -> StoredPolicies | None:
+    """The admin's policies from etcd; ``None`` when unset or invalid (logged, settings used)."""
+    entry = await store.get(api_keys.POLICIES)
+    if entry is None:
+        return None
+    try:
+        stored = StoredPolicies.model_validate_json(entry.value)
+        failover_config(stored.values)  # the policy's own checks
+    except (pydantic.ValidationError, ValueError) as exc:
+        log.warning("ignoring invalid policies key=%s problem=%s", entry.key, exc)
+        return None
+    return stored
+
+
+_LOCKS: weakref.WeakKeyDictionary[Store, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def pass_lock(store: Store) -> asyncio.Lock:
+    """One pass (or admin action) at a time per store, so none overwrites another's plan."""
+    lock = _LOCKS.get(store)
+    if lock is None:
+        lock = _LOCKS[store] = asyncio.Lock()
+    return lock
 
 
 def _snapshot(status: RegionStatus) -> failover.StatusSnapshot:
@@ -134,6 +200,18 @@ def state_from_json(data: Mapping[str, Any]) -> failover.FleetState:
 # -- one pass -------------------------------------------------------------------------------------
 
 
+@dataclass(slots=True, kw_only=True)
+class Prepared:
+    """One pass computed but not written: what ``commit`` writes, and what it decided."""
+
+    view: fleet.FleetView
+    previous: failover.FleetState
+    result: failover.Plan
+    topology: failover.Topology
+    puts: dict[str, bytes] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+
+
 async def reconcile_once(
     *,
     store: Store,
@@ -142,8 +220,30 @@ async def reconcile_once(
     clock: Clock,
     judge: bool = True,
 ) -> PassResult:
+    controller = fence.value.decode() if fence is not None else ""
+    async with pass_lock(store):
+        prepared = await prepare(
+            store=store, settings=settings, clock=clock, judge=judge, controller=controller
+        )
+        return await commit(prepared, store=store, fence=fence, settings=settings)
+
+
+async def prepare(
+    *,
+    store: Store,
+    settings: ControllerSettings,
+    clock: Clock,
+    judge: bool = True,
+    overrides: Mapping[str, RegionOverride | None] | None = None,
+    controller: str = "",
+) -> Prepared:
+    """Read the fleet and plan, writing nothing.  ``overrides`` replaces regions' operator
+    overrides (``None``: cleared) as if they were stored: the plan of an admin action."""
     now = clock.now()
     view = await fleet.read(store)
+    for region, replaced in (overrides or {}).items():
+        view.regions.setdefault(region, fleet.RegionRecord(region=region)).override = replaced
+    stored = await stored_policies(store)
     last_status = dict(view.plan.last_status)
     for region, record in view.regions.items():
         if record.status is not None:
@@ -177,7 +277,7 @@ async def reconcile_once(
         previous,
         observations,
         topology=topology,
-        config=config_from(settings),
+        config=config_from(settings, stored.values if stored is not None else None),
         now=now,
         judge=judge,
     )
@@ -228,7 +328,7 @@ async def reconcile_once(
         state=state_to_json(state),
         last_status=statuses,
         updated_at=now,
-        controller=fence.value.decode() if fence is not None else "",
+        controller=controller,
     )
     puts[keys.PLAN] = plan_value.model_dump_json().encode()
     events = [
@@ -246,8 +346,25 @@ async def reconcile_once(
         puts[keys.event(int(event.at * 1000), uuid.uuid4().hex[:8])] = (
             event.model_dump_json().encode()
         )
-    await store.commit(puts, fence=fence)
-    for event in events:
+    return Prepared(
+        view=view, previous=previous, result=result, topology=topology, puts=puts, events=events
+    )
+
+
+async def commit(
+    prepared: Prepared,
+    *,
+    store: Store,
+    fence: Fence | None,
+    settings: ControllerSettings,
+    extra_puts: Mapping[str, bytes] | None = None,
+    deletes: tuple[str, ...] = (),
+) -> PassResult:
+    """Write a prepared pass (plus ``extra_puts``/``deletes``) in one fenced transaction."""
+    puts = {**prepared.puts, **(extra_puts or {})}
+    await store.commit(puts, deletes=deletes, fence=fence)
+    state, result = prepared.result.state, prepared.result
+    for event in prepared.events:
         level = (
             logging.WARNING
             if event.kind in ("state", "failover", "alert", "residency")
@@ -262,7 +379,7 @@ async def reconcile_once(
     return PassResult(
         window=state.window,
         writes=len(puts),
-        events=len(events),
+        events=len(prepared.events),
         alert=state.alert,
         recheck_after_s=result.recheck_after_s,
     )

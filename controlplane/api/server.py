@@ -1,0 +1,355 @@
+"""The admin API's aiohttp app, served by every controller replica on its own port.
+
+``create_app`` (controlplane/app.py) builds an :class:`AdminApi` and appends :func:`serving` to
+its ``cleanup_ctx``: the admin site starts and stops with the replica, on ``api.host:api.port``
+(``--admin-port``), over HTTPS when ``api.tls`` names a certificate and key.
+
+**Any replica answers; writes go through the leader.**  Reads come from etcd on the replica
+that receives them.  A write (an action, ``PUT /v1/policies``) on a follower is authenticated
+there, then forwarded as it is (token, body, ``Idempotency-Key``) to the leader's admin URL,
+which the leader publishes under ``controller/admin`` (fenced).  The leader runs the action
+and writes it in one transaction fenced by its leader key, so a deposed leader cannot write.
+A forwarded request that reaches a replica that no longer leads is answered 503 (retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import pydantic
+from aiohttp import web
+
+from controlplane.api import actions, auth, routes
+from controlplane.api import keys as api_keys
+from controlplane.api.models import AdminEndpoint, Problem
+from controlplane.api.problems import (
+    ApiProblem,
+    BadRequest,
+    Invalid,
+    NotFound,
+    Unavailable,
+    response,
+)
+from controlplane.clock import Clock
+from controlplane.election import Election
+from controlplane.errors import ControllerError, NotLeader, StoreUnavailable
+from controlplane.reconcile import windows
+from controlplane.settings import ControllerSettings
+from controlplane.store import Store
+from wire import keys
+
+log = logging.getLogger(__name__)
+
+FORWARDED = "X-Meridian-Forwarded-By"
+LEADER_HEADER = "X-Meridian-Leader"
+
+
+class Replica(Protocol):
+    """What the admin API needs of the controller replica that serves it."""
+
+    settings: ControllerSettings
+    clock: Clock
+    store: Store
+    election: Election
+    etcd_ok: bool
+    last_pass: windows.PassResult | None
+
+
+@dataclass(slots=True, kw_only=True)
+class AdminApi:
+    replica: Replica
+    url: str | None = None  # set once the site is bound
+    session: aiohttp.ClientSession | None = None
+    published: object = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def settings(self) -> ControllerSettings:
+        return self.replica.settings
+
+    @property
+    def leader(self) -> actions.Leader:
+        r = self.replica
+        return actions.Leader(
+            settings=r.settings, store=r.store, election=r.election, clock=r.clock
+        )
+
+
+ADMIN_API = web.AppKey("admin_api", AdminApi)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_admin_app(api: AdminApi) -> web.Application:
+    app = web.Application(middlewares=[_problems], client_max_size=64 * 1024)
+    app[ADMIN_API] = api
+    for route in routes.ROUTES:
+        app.router.add_route(route.method, route.path, _endpoint(route))
+    return app
+
+
+def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` entry of the replica's main app that runs the admin site."""
+
+    async def ctx(_: web.Application) -> AsyncIterator[None]:
+        s = api.settings.api
+        if not s.enabled:
+            yield
+            return
+        tls = _server_tls(api.settings)
+        runner = web.AppRunner(create_admin_app(api), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, s.host, s.port, ssl_context=tls)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        port = int(sockets[0].getsockname()[1]) if sockets else s.port
+        scheme = "https" if tls is not None else "http"
+        api.url = s.advertise_url or f"{scheme}://{s.host}:{port}"
+        api.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=s.forward_timeout_s),
+            connector=aiohttp.TCPConnector(ssl=_client_tls(api.settings)),
+        )
+        task = asyncio.create_task(_publish(api), name="meridian-admin-publish")
+        task.add_done_callback(_crashed)
+        api.tasks.append(task)
+        log.info("admin API url=%s tokens=%d", api.url, len(s.tokens))
+        print(f"ADMIN {api.url}", flush=True)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await api.session.close()
+            await runner.cleanup()
+
+    return ctx
+
+
+def _crashed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("admin API task crashed", exc_info=task.exception())
+
+
+def _server_tls(settings: ControllerSettings) -> ssl.SSLContext | None:
+    tls = settings.api.tls
+    if tls is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    return ctx
+
+
+def _client_tls(settings: ControllerSettings) -> ssl.SSLContext | bool:
+    tls = settings.api.tls
+    if tls is None:
+        return True
+    return ssl.create_default_context(cafile=str(tls.ca_file or tls.cert_file))
+
+
+async def _publish(api: AdminApi) -> None:
+    """While leading, keep ``controller/admin`` pointing here (fenced)."""
+    replica = api.replica
+    while True:
+        fence = replica.election.fence
+        if fence is None:
+            api.published = None
+        elif fence != api.published and api.url is not None:
+            value = AdminEndpoint(id=replica.election.identity, url=api.url)
+            try:
+                await replica.store.commit(
+                    {api_keys.ADMIN: value.model_dump_json().encode()}, fence=fence
+                )
+                api.published = fence
+            except (StoreUnavailable, NotLeader) as exc:
+                log.info("admin endpoint not published yet error=%s", exc)
+        await asyncio.sleep(0.2)
+
+
+# -- the request path ---------------------------------------------------------------------------
+
+
+@web.middleware
+async def _problems(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiProblem as refused:
+        return refused.response()
+    except StoreUnavailable as exc:
+        return Unavailable(
+            f"etcd unavailable: {exc}; nothing was changed",
+            fix="retry later; see the runbook docs/runbooks/etcd-degraded.md",
+        ).response()
+    except NotLeader:
+        return Unavailable(
+            "leadership changed during the request; nothing was changed",
+            fix="retry: the request goes to the new leader",
+        ).response()
+    except ControllerError as exc:
+        return Unavailable(f"{exc}; nothing was changed", fix="retry later").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        problem: ApiProblem
+        if exc.status == 404:
+            problem = NotFound(
+                f"no such path: {request.path}", fix="see GET /v1/openapi.json for the paths"
+            )
+        elif exc.status == 405:
+            problem = BadRequest(
+                f"{request.method} is not allowed on {request.path}",
+                fix="see GET /v1/openapi.json for the methods",
+            )
+            problem.status = 405
+        elif exc.status == 413:
+            problem = BadRequest("the body is too large", fix="send at most 64 KiB")
+            problem.status = 413
+        else:
+            problem = BadRequest(exc.text or exc.reason)
+            problem.status = exc.status
+        return problem.response()
+    except Exception:  # the outermost middleware: never a stack trace to the client
+        log.exception("admin API request failed path=%s", request.path)
+        return response(
+            Problem(
+                type="urn:meridian:problem:internal",
+                title="Internal error",
+                status=500,
+                detail="the controller failed to handle this request; nothing is known to "
+                "have changed",
+                fix="retry; if it persists, read the controller's log",
+            )
+        )
+
+
+def _endpoint(route: routes.Route) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        api = request.app[ADMIN_API]
+        caller: auth.Caller | None = None
+        if route.role is not None:
+            caller = auth.identify(request, api.settings.api.tokens)
+            auth.require(caller, route.role, f"{route.method} {route.path}")
+        raw = await request.read() if route.body is not None else b""
+        if route.write and api.replica.election.fence is None:
+            return await _forward(api, request, raw)
+        call = routes.Call(
+            request=request,
+            caller=caller,
+            body=_parse(route, raw),
+            leader=api.leader,
+            replica=api.replica,
+            fingerprint=_fingerprint(request, raw),
+            received_by=request.headers.get(FORWARDED) or api.replica.election.identity,
+        )
+        out = await route.handler(call)
+        if isinstance(out, web.StreamResponse):
+            return out
+        if isinstance(out, actions.Reply):
+            headers = {LEADER_HEADER: api.replica.election.identity}
+            if out.replayed:
+                headers["Idempotent-Replayed"] = "true"
+            if out.status >= 400:
+                return web.json_response(
+                    out.body, status=out.status, content_type="application/problem+json",
+                    headers=headers,
+                )  # fmt: skip
+            return web.json_response(out.body, status=out.status, headers=headers)
+        return web.Response(text=out.model_dump_json(), content_type="application/json")
+
+    handle.__name__ = route.handler.__name__
+    return handle
+
+
+def _parse(route: routes.Route, raw: bytes) -> pydantic.BaseModel | None:
+    if route.body is None:
+        return None
+    try:
+        data = json.loads(raw) if raw.strip() else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(
+            f"the body is not JSON: {exc}; nothing was changed",
+            fix=f"send a JSON object, for example {route.example}",
+        ) from exc
+    if not isinstance(data, dict):
+        raise BadRequest(
+            "the body must be a JSON object; nothing was changed",
+            fix=f"send a JSON object, for example {route.example}",
+        )
+    try:
+        return route.body.model_validate(data)
+    except pydantic.ValidationError as exc:
+        errors = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        ]
+        raise Invalid(
+            "the body does not validate: " + "; ".join(errors) + "; nothing was changed",
+            fix=f"fix those fields, for example {route.example}",
+            errors=errors,
+        ) from exc
+
+
+def _fingerprint(request: web.Request, raw: bytes) -> str:
+    h = hashlib.sha256()
+    for part in (request.method, request.path, str(sorted(request.query.items()))):
+        h.update(part.encode() + b"\0")
+    h.update(raw)
+    return h.hexdigest()
+
+
+async def _forward(api: AdminApi, request: web.Request, raw: bytes) -> web.StreamResponse:
+    me = api.replica.election.identity
+    if request.headers.get(FORWARDED):
+        raise Unavailable(
+            "this replica no longer leads (leadership moved while forwarding); nothing was changed",
+            fix="retry in a few seconds",
+        )
+    leader_entry = await api.replica.store.get(keys.LEADER)
+    endpoint_entry = await api.replica.store.get(api_keys.ADMIN)
+    if leader_entry is None:
+        raise Unavailable(
+            "no controller leads right now; nothing was changed",
+            fix="retry in a few seconds (a leader is elected within one lease TTL)",
+        )
+    leader = leader_entry.value.decode()
+    endpoint = None
+    if endpoint_entry is not None:
+        with contextlib.suppress(pydantic.ValidationError):
+            endpoint = AdminEndpoint.model_validate_json(endpoint_entry.value)
+    if endpoint is None or endpoint.id != leader or api.session is None:
+        raise Unavailable(
+            f"the leader {leader} has not published its admin URL yet; nothing was changed",
+            fix="retry in a few seconds",
+        )
+    headers = {FORWARDED: me}
+    for name in ("Authorization", "Idempotency-Key", "Content-Type"):
+        if name in request.headers:
+            headers[name] = request.headers[name]
+    try:
+        async with api.session.request(
+            request.method, endpoint.url + request.path_qs, data=raw or None, headers=headers
+        ) as upstream:
+            body = await upstream.read()
+            out = web.Response(body=body, status=upstream.status)
+            out.headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+            for name in (LEADER_HEADER, "Idempotent-Replayed"):
+                if name in upstream.headers:
+                    out.headers[name] = upstream.headers[name]
+            return out
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise Unavailable(
+            f"could not reach the leader {leader} at {endpoint.url}: {type(exc).__name__}; "
+            "the action may or may not have been applied",
+            fix="retry with the same Idempotency-Key (meridianctl does): it is applied once",
+        ) from exc
+
+
+def openapi_json(_: Any = None) -> dict[str, Any]:
+    return routes.openapi()

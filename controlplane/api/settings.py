@@ -1,0 +1,99 @@
+"""Settings of the admin API (``ControllerSettings.api``): where it listens, TLS, tokens.
+
+Tokens are never stored: only the SHA-256 of each (hex).  Tokens are long random strings
+(``python -m controlplane.api.tokens new``), so a fast hash is enough; comparison is constant
+time (``hmac.compare_digest``).
+
+.. code-block:: toml
+
+    [api]
+    port = 8091
+    [api.tls]
+    cert_file = "/etc/meridian/admin.crt"
+    key_file = "/etc/meridian/admin.key"
+    [[api.tokens]]
+    name = "alice"
+    role = "operator"
+    sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["viewer", "operator", "admin"]
+ROLES: tuple[Role, ...] = ("viewer", "operator", "admin")  # each can do all the ones before
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TokenEntry(_Group):
+    name: str = Field(min_length=1, max_length=64, description="who holds it (written to audit)")
+    role: Role = Field(description="viewer reads; operator also acts; admin also sets policies")
+    sha256: str = Field(description="hex SHA-256 of the token; the token itself is never stored")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _HEX64.match(value):
+            raise ValueError("must be 64 hex digits: the SHA-256 of the token, not the token")
+        return value
+
+
+class TlsSettings(_Group):
+    cert_file: Path = Field(description="PEM certificate (chain) the admin API presents")
+    key_file: Path = Field(description="PEM private key of cert_file")
+    ca_file: Path | None = Field(
+        None,
+        description="CA bundle a replica trusts when forwarding a write to the leader; "
+        "default: cert_file itself (one self-signed certificate shared by the replicas)",
+    )
+
+    @model_validator(mode="after")
+    def _exist(self) -> TlsSettings:
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} does not exist")
+        return self
+
+
+class ApiSettings(_Group):
+    enabled: bool = Field(True, description="serve the admin API on this replica")
+    host: str = Field("127.0.0.1", description="address of the admin API")
+    port: int = Field(8091, ge=0, le=65535, description="port of the admin API; 0 picks one")
+    advertise_url: str | None = Field(
+        None,
+        description="URL other replicas use to forward writes here; default "
+        "http(s)://host:port as bound",
+    )
+    tls: TlsSettings | None = Field(None, description="serve HTTPS with this certificate")
+    tokens: list[TokenEntry] = Field(
+        default_factory=list, description="bearer tokens, as hashes; none: every call is 401"
+    )
+    idempotency_ttl_s: float = Field(
+        86400.0, gt=0, description="how long an Idempotency-Key's answer is kept, seconds"
+    )
+    audit_retention: int = Field(10000, ge=100, description="audit entries kept in etcd")
+    forward_timeout_s: float = Field(
+        15.0, gt=0, description="timeout of a write forwarded to the leader, seconds"
+    )
+
+    @field_validator("tokens")
+    @classmethod
+    def _unique(cls, value: list[TokenEntry]) -> list[TokenEntry]:
+        names = [t.name for t in value]
+        if len(set(names)) != len(names):
+            raise ValueError("token names must be unique (they name the caller in audit)")
+        hashes = [t.sha256 for t in value]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("two tokens have the same hash")
+        return value

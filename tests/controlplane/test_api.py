@@ -1,0 +1,366 @@
+"""The admin API against a real controller and real etcd: reads, actions, auth, audit,
+idempotency, forwarding to the leader, policies, TLS and bad input.
+
+Stand-in agents publish three regions (``tests/meridianctl/stack.py``): eu-west and eu-north
+(geography eu, residency eu) and us-east (geography us, no residency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.api import keys as api_keys
+from controlplane.api import routes
+from controlplane.app import Controller
+from tests.meridianctl.stack import TOKENS, Stack, until
+from tests.support import EtcdServer
+from wire import keys
+from wire.models import FleetPlan, RegionHealth, RegionOverride
+
+AUTH = {role: {"Authorization": f"Bearer {t}"} for role, t in TOKENS.items()}
+
+
+@pytest.fixture
+async def stack(etcd: EtcdServer) -> AsyncIterator[Stack]:
+    s = Stack(etcd.url)
+    s.start_agents()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def leader(stack: Stack) -> Controller:
+    await stack.controller("ctl-a")
+    return await stack.leader()
+
+
+@pytest.fixture
+async def client(stack: Stack, leader: Controller) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.url("ctl-a"), timeout=10) as c:
+        yield c
+
+
+async def _audit(stack: Stack) -> list[dict[str, Any]]:
+    entries = sorted(await stack.store.get_prefix(keys.AUDIT), key=lambda e: e.key)
+    return [json.loads(e.value) for e in entries]
+
+
+async def _health(stack: Stack, region: str) -> RegionHealth:
+    entry = await stack.store.get(keys.health(region))
+    assert entry is not None
+    return RegionHealth.model_validate_json(entry.value)
+
+
+async def _serving(stack: Stack) -> dict[str, dict[str, float]]:
+    entry = await stack.store.get(keys.PLAN)
+    assert entry is not None
+    return FleetPlan.model_validate_json(entry.value).serving
+
+
+def _problem(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = r.json()
+    assert body["status"] == status and body["detail"] and body["title"]
+    return body
+
+
+# -- reads -------------------------------------------------------------------------------------
+
+
+async def test_regions_lists_every_region_with_its_state(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/regions", headers=AUTH["viewer"])
+    assert r.status_code == 200, r.text
+    rows = {row["region"]: row for row in r.json()["regions"]}
+    assert set(rows) == {"eu-west", "eu-north", "us-east"}
+    west = rows["eu-west"]
+    assert west["state"] == "healthy" and west["weight"] == 1.0 and west["capacity"] == 4.0
+    assert west["backup"] == "eu-north" and rows["eu-north"]["floor"] >= 2.0
+    one = await client.get("/v1/regions/eu-west", headers=AUTH["viewer"])
+    assert one.status_code == 200 and one.json()["status"]["geo"] == "eu"
+    body = _problem(await client.get("/v1/regions/mars-1", headers=AUTH["viewer"]), 404)
+    assert "eu-west" in body["fix"]
+    health = await client.get("/v1/health")
+    assert health.status_code == 200 and health.json()["leading"] is True
+    dns = await client.get("/v1/dns", headers=AUTH["viewer"])
+    assert dns.status_code == 200 and dns.json() == {"applied": None}
+
+
+async def test_openapi_document_covers_every_route(client: httpx.AsyncClient) -> None:
+    doc = (await client.get("/v1/openapi.json")).json()
+    assert doc["openapi"].startswith("3.")
+    for route in routes.ROUTES:
+        op = doc["paths"][route.path][route.method.lower()]
+        if route.body is not None:
+            ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"]
+    schema = doc["components"]["schemas"]["PoliciesUpdate"]
+    assert schema["properties"]["strikes"]["anyOf"][0]["minimum"] == 1
+    assert "Problem" in doc["components"]["schemas"]
+
+
+# -- auth ----------------------------------------------------------------------------------------
+
+
+async def test_unauthenticated_and_wrong_role_calls_are_refused(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    before = await stack.snapshot()
+    for route in routes.ROUTES:
+        if route.role is None:
+            continue
+        path = route.path.replace("{region}", "eu-west")
+        body = {"reason": "test"} if route.body is not None else None
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+            r = await client.request(route.method, path, headers=headers, json=body)
+            problem = _problem(r, 401)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert problem["fix"]
+        too_low = {"operator": "viewer", "admin": "operator"}.get(route.role)
+        if too_low is not None:
+            r = await client.request(route.method, path, headers=AUTH[too_low], json=body)
+            assert f"needs role {route.role}" in _problem(r, 403)["detail"]
+    assert await stack.snapshot() == before
+    assert await _audit(stack) == []
+
+
+# -- actions -----------------------------------------------------------------------------------
+
+
+async def test_failover_dry_run_then_apply_then_failback(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    before = await stack.snapshot()
+    r = await client.post(
+        "/v1/regions/eu-west/failover?dry_run=true",
+        json={"reason": "test dry run"},
+        headers=AUTH["operator"],
+    )
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["dry_run"] is True and plan["applied"] is False
+    assert plan["serving_after"]["eu"] == {"eu-north": 1.0}
+    assert any(c["region"] == "eu-west" and c["state_after"] == "failed" for c in plan["changes"])
+    assert await stack.snapshot() == before  # a dry run changes nothing
+    assert (await _health(stack, "eu-west")).state == "healthy"
+
+    r = await client.post(
+        "/v1/regions/eu-west/failover", json={"reason": "bad deploy"}, headers=AUTH["operator"]
+    )
+    assert r.status_code == 200 and r.json()["applied"] is True, r.text
+    health = await _health(stack, "eu-west")
+    assert health.state == "failed" and health.manual and health.backup == "eu-north"
+    assert (await _serving(stack))["eu"] == {"eu-north": 1.0}
+    override = await stack.store.get(keys.override("eu-west"))
+    assert override is not None
+    assert RegionOverride.model_validate_json(override.value).by == "operator-user"
+    await asyncio.sleep(3 * 0.5)  # windows pass: the manual failover holds
+    assert (await _health(stack, "eu-west")).state == "failed"
+
+    r = await client.post(
+        "/v1/regions/eu-west/failback", json={"reason": "fixed"}, headers=AUTH["operator"]
+    )
+    assert r.status_code == 200, r.text
+    assert await stack.store.get(keys.override("eu-west")) is None
+    state = (await _health(stack, "eu-west")).state
+    assert state in ("recovering", "healthy", "failed")  # ramps back from here
+    for _ in range(100):
+        if (await _health(stack, "eu-west")).state == "healthy":
+            break
+        await asyncio.sleep(0.1)
+    assert (await _health(stack, "eu-west")).state == "healthy"
+
+    audit = await _audit(stack)
+    assert [(a["action"], a["result"]) for a in audit] == [
+        ("failover", "dry-run"),
+        ("failover", "applied"),
+        ("failback", "applied"),
+    ]
+    for entry in audit:
+        assert entry["who"] == "operator-user" and entry["role"] == "operator"
+        assert entry["reason"] and entry["at"] > 0 and entry["controller"] == "ctl-a"
+    assert audit[1]["reason"] == "bad deploy"
+    ids = {a["id"] for a in audit}
+    assert r.json()["audit_id"] in ids
+
+
+async def test_drain_and_undrain_move_traffic(stack: Stack, client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/regions/us-east/drain", json={"reason": "maintenance"}, headers=AUTH["operator"]
+    )
+    # us-east has no region that meets... it has no residency: eu regions may back it up
+    assert r.status_code == 200, r.text
+    assert (await _health(stack, "us-east")).state == "drained"
+    assert "us-east" not in (await _serving(stack))["us"]
+    r = await client.post(
+        "/v1/regions/us-east/drain", json={"reason": "again"}, headers=AUTH["operator"]
+    )
+    assert "undrain" in _problem(r, 409)["fix"]
+    r = await client.post(
+        "/v1/regions/us-east/undrain", json={"reason": "done"}, headers=AUTH["operator"]
+    )
+    assert r.status_code == 200, r.text
+    assert await stack.store.get(keys.override("us-east")) is None
+    assert [a["result"] for a in await _audit(stack)] == ["applied", "refused", "applied"]
+
+
+async def test_bad_input_is_refused_with_what_to_do_and_nothing_changes(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    op = AUTH["operator"]
+    # a drain that would leave geography eu with no region serving
+    r = await client.post("/v1/regions/eu-north/drain", json={"reason": "a"}, headers=op)
+    assert r.status_code == 200, r.text
+    before = await stack.snapshot()
+    body = _problem(
+        await client.post("/v1/regions/eu-west/drain", json={"reason": "b"}, headers=op), 409
+    )
+    assert "no region serving" in body["detail"] and "undrain" in body["fix"]
+    assert await stack.snapshot() == before
+    await client.post("/v1/regions/eu-north/undrain", json={"reason": "c"}, headers=op)
+    for _ in range(100):  # it ramps back; then the fleet is steady
+        if (await _health(stack, "eu-north")).state == "healthy":
+            break
+        await asyncio.sleep(0.1)
+    before = await stack.snapshot()
+    cases: list[tuple[str, str, Any, int, str]] = [
+        ("/v1/regions/mars-1/drain", "POST", {"reason": "x"}, 404, "known regions"),
+        ("/v1/regions/eu-west/failover", "POST", {"reason": "x", "target": "us-east"}, 422,
+         "eu-north"),
+        ("/v1/regions/eu-west/failover", "POST", {"reason": "x", "target": "eu-west"}, 422, ""),
+        ("/v1/regions/eu-west/failover", "POST", {"reason": "x", "target": "nope"}, 422, ""),
+        ("/v1/regions/eu-west/drain", "POST", "{not json", 400, "JSON object"),
+        ("/v1/regions/eu-west/drain", "POST", [1, 2], 400, "JSON object"),
+        ("/v1/regions/eu-west/drain", "POST", {}, 422, "reason"),
+        ("/v1/regions/eu-west/drain", "POST", {"reason": "x", "extra": 1}, 422, ""),
+        ("/v1/regions/eu-west/failback", "POST", {"reason": "x"}, 409, "regions show"),
+        ("/v1/regions/eu-west/undrain", "POST", {"reason": "x"}, 409, "drain"),
+        ("/v1/regions/eu-west/drain?dry_run=maybe", "POST", {"reason": "x"}, 400, "true"),
+        ("/v1/policies", "PUT", {"reason": "x", "strikes": 0}, 422, "greater than"),
+        ("/v1/policies", "PUT", {"reason": "x", "prewarm_fraction": 1.5}, 422, ""),
+        ("/v1/policies", "PUT", {"reason": "x", "ramp": [0.5, 0.2, 1.0]}, 422, ""),
+        ("/v1/policies", "PUT", {"reason": "x", "ramp": [0.5, 0.9]}, 422, ""),
+        ("/v1/policies", "PUT", {"reason": "x", "window_s": -1}, 422, ""),
+        ("/v1/events?limit=zero", "GET", None, 400, "limit"),
+        ("/v1/nowhere", "GET", None, 404, "openapi"),
+    ]  # fmt: skip
+    headers = {**AUTH["admin"], "Content-Type": "application/json"}
+    for path, method, body, status, needle in cases:
+        content = body if isinstance(body, str) else json.dumps(body) if body is not None else None
+        r = await client.request(method, path, content=content, headers=headers)
+        problem = _problem(r, status)
+        assert needle in problem["detail"] + problem["fix"], (path, body, problem)
+    residency = await client.post(
+        "/v1/regions/eu-west/failover", json={"reason": "x", "target": "us-east"}, headers=op
+    )
+    assert "residency" in residency.json()["detail"]
+    assert await stack.snapshot() == before
+
+
+async def test_an_idempotency_key_answers_again_without_acting_twice(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    headers = {**AUTH["operator"], "Idempotency-Key": "k-1"}
+    first = await client.post("/v1/regions/us-east/drain", json={"reason": "m"}, headers=headers)
+    again = await client.post("/v1/regions/us-east/drain", json={"reason": "m"}, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert first.json() == again.json() and again.headers["idempotent-replayed"] == "true"
+    other = await client.post("/v1/regions/us-east/drain", json={"reason": "n"}, headers=headers)
+    assert "Idempotency-Key" in _problem(other, 422)["detail"]
+    audit = await _audit(stack)
+    assert [(a["action"], a["result"], a["idempotency_key"]) for a in audit] == [
+        ("drain", "applied", "k-1")
+    ]
+
+
+async def test_a_write_sent_to_a_follower_goes_through_the_leader(stack: Stack) -> None:
+    await stack.controller("ctl-a")
+    leader = await stack.leader()
+    await stack.controller("ctl-b")
+    follower = "ctl-b" if leader.election.identity == "ctl-a" else "ctl-a"
+    await until(lambda: True, 0, "")
+    async with httpx.AsyncClient(base_url=stack.url(follower), timeout=10) as c:
+        for _ in range(50):  # the leader publishes its admin URL within a moment
+            r = await c.post(
+                "/v1/regions/us-east/drain?dry_run=true",
+                json={"reason": "via follower"},
+                headers=AUTH["operator"],
+            )
+            if r.status_code != 503:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 200, r.text
+        r = await c.post(
+            "/v1/regions/us-east/drain", json={"reason": "via follower"}, headers=AUTH["operator"]
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-meridian-leader"] == leader.election.identity
+        reads = await c.get("/v1/regions", headers=AUTH["viewer"])
+        assert reads.status_code == 200
+    audit = await _audit(stack)
+    assert audit[-1]["received_by"] == follower
+    assert audit[-1]["controller"] == leader.election.identity
+    assert (await _health(stack, "us-east")).state == "drained"
+
+
+async def test_policies_are_validated_stored_and_applied_at_the_next_window(
+    stack: Stack, client: httpx.AsyncClient, leader: Controller
+) -> None:
+    r = await client.get("/v1/policies", headers=AUTH["viewer"])
+    assert r.json()["source"] == "settings" and r.json()["values"]["strikes"] == 3
+    r = await client.put(
+        "/v1/policies",
+        json={"reason": "slower windows", "window_s": 0.7, "strikes": 4, "ttft_check": False},
+        headers=AUTH["admin"],
+    )
+    assert r.status_code == 200, r.text
+    values = r.json()["values"]
+    assert values["strikes"] == 4 and values["ttft_p99_slo_s"] is None
+    assert r.json()["source"] == "etcd" and r.json()["by"] == "admin-user"
+    assert await stack.store.get(api_keys.POLICIES) is not None
+    passes = leader.passes
+    await until(lambda: leader.passes >= passes + 2, 10, "windows")
+    assert leader.last_pass is not None and leader.last_pass.recheck_after_s == 0.7
+    audit = await _audit(stack)
+    assert audit[-1]["action"] == "policies" and '"strikes": 4' in audit[-1]["detail"]
+
+
+def _self_signed(tmp: Path) -> dict[str, Path]:
+    cert, key = tmp / "admin.crt", tmp / "admin.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return {"cert_file": cert, "key_file": key}
+
+
+async def test_tls_from_the_configured_certificate_and_key(stack: Stack, tmp_path: Path) -> None:
+    tls = _self_signed(tmp_path)
+    await stack.controller("ctl-tls", tls=tls)
+    await stack.leader()
+    url = stack.url("ctl-tls")
+    assert url.startswith("https://")
+    trusted = ssl.create_default_context(cafile=str(tls["cert_file"]))
+    async with httpx.AsyncClient(verify=trusted, timeout=10) as c:
+        r = await c.get(url + "/v1/regions", headers=AUTH["viewer"])
+        assert r.status_code == 200 and len(r.json()["regions"]) == 3
+    async with httpx.AsyncClient(timeout=10) as c:  # not trusted by default
+        with pytest.raises(httpx.ConnectError):
+            await c.get(url + "/v1/health")
+    async with httpx.AsyncClient(timeout=10) as c:  # plain HTTP on the TLS port
+        plain = url.replace("https://", "http://")
+        with pytest.raises(httpx.HTTPError):
+            await c.get(plain + "/v1/health")
