@@ -96,10 +96,10 @@ async def test_a_region_is_alive_while_any_agent_is_and_dead_agents_do_not_count
 LAYOUT = GroupLayout(groups={"g0": 2.0, "g1": 2.0, "g2": 2.0}, n_buckets=1024)
 
 
-def _range(region: str, first: int, end: int, owner: str, **kw: object) -> bytes:
+def _range(region: str, first: int, end: int, owner: str) -> bytes:
     return (
         GroupTable(region=region, kind="prefix", first=first, end=end, owner=owner,
-                   n_buckets=1024, agent="a1", updated_at=NOW - 4, **kw)  # type: ignore[arg-type]
+                   n_buckets=1024, agent="a1", updated_at=NOW - 4)
         .model_dump_json()
         .encode()
     )  # fmt: skip
