@@ -28,7 +28,8 @@ Per view (one per geography), under its zone, with ``names`` relative to the zon
 
 The **generation** changes only when the records change: it is the controller window that
 first produced the current content (``previous`` carries the last generation and its
-fingerprint), so a steady fleet produces identical plans and no DNS update at all.
+fingerprint), so a steady fleet produces identical plans and no DNS update at all.  It starts
+at 1 and only grows (one more than the previous when the window counter is behind it).
 
 A view is **held** (``hold=True``, no records; the shell must not touch the zone) when its
 geography has no region with an endpoint to serve it: never all off — whatever the server
@@ -200,7 +201,7 @@ def plan(
         generation = previous.number
         reason = f"unchanged since generation {generation}"
     else:
-        generation = window
+        generation = max(1, window if previous is None else max(window, previous.number + 1))
         reason = "first plan" if previous is None else "records changed"
     out: dict[str, ViewPlan] = {}
     for name, draft in drafts.items():

@@ -218,7 +218,10 @@ class Steering:
             )  # fmt: skip
         if isinstance(exc, StoreUnavailable):
             return
-        if self.desired is not None and first:
+        behind = self.applied is None or (
+            self.desired is not None and self.applied.desired_generation != self.desired.generation
+        )
+        if self.desired is not None and (first or behind):
             with contextlib.suppress(StoreUnavailable):
                 await self._record(self.desired, counts=None, error=text)
 
