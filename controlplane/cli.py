@@ -2,7 +2,9 @@
 
 meridian-controller --etcd http://127.0.0.1:2379[,URL...] [--config FILE] [--window-s S]
                     [--strikes N] [--recovery-windows N] [--prewarm-fraction F]
-                    [--id NAME] [--port P]
+                    [--id NAME] [--port P] [--admin-port P]
+meridian-controller dns bind-config [--config FILE] [--zone-dir DIR]
+                    print the named.conf fragments for the [dns] settings (docs/dns.md)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pydantic
 import service
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
+from controlplane.dns import bindconf
 
 log = logging.getLogger("meridian.controller")
 
@@ -35,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", help="this replica's name (election.id)")
     p.add_argument("--host", help="read API address (server.host)")
     p.add_argument("--port", type=int, help="read API port; 0 picks one (server.port)")
+    p.add_argument("--admin-host", help="admin API address (api.host)")
+    p.add_argument(
+        "--admin-port", type=int, help="admin API port; 0 picks one (api.port, default 8091)"
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -58,6 +65,11 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.id:
         out["election"] = {"id": args.id}
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    admin = {
+        k: v for k, v in (("host", args.admin_host), ("port", args.admin_port)) if v is not None
+    }
+    if admin:
+        out["api"] = admin
     if server:
         out["server"] = server
     return out
@@ -76,7 +88,40 @@ async def _serve(settings: controller_settings.ControllerSettings) -> None:
     )
 
 
+def _invalid(exc: pydantic.ValidationError) -> str:
+    lines = [
+        f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+    ]
+    return "meridian-controller: invalid settings:\n" + "\n".join(lines)
+
+
+def dns_main(argv: Sequence[str]) -> int:
+    """``meridian-controller dns bind-config``: named.conf keys, views and zones for [dns]."""
+    p = argparse.ArgumentParser(prog="meridian-controller dns", description=dns_main.__doc__)
+    p.add_argument("command", choices=["bind-config"])
+    p.add_argument("--config", type=Path, help="TOML settings file (its [dns] group)")
+    p.add_argument("--zone-dir", default="/var/lib/bind", help="where named keeps the zones")
+    args = p.parse_args(argv)
+    try:
+        settings = controller_settings.load(config_file=args.config)
+    except pydantic.ValidationError as exc:
+        print(_invalid(exc), file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"meridian-controller: {exc}", file=sys.stderr)
+        return 2
+    if not settings.dns.views:
+        print("meridian-controller: no [[dns.views]] in the settings: nothing to render",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    sys.stdout.write(bindconf.render(settings.dns, zone_dir=args.zone_dir))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dns"]:
+        return dns_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -84,11 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = controller_settings.load(config_file=args.config, overrides=overrides(args))
     except pydantic.ValidationError as exc:
-        lines = [
-            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-            for e in exc.errors()
-        ]
-        print("meridian-controller: invalid settings:\n" + "\n".join(lines), file=sys.stderr)
+        print(_invalid(exc), file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-controller: {exc}", file=sys.stderr)
