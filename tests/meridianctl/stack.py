@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from controlplane.api import keys as api_keys
 from controlplane.api.server import ADMIN_API
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
@@ -129,9 +130,9 @@ class Stack:
             await store.close()
 
     async def snapshot(self) -> dict[str, bytes]:
-        """Every key the fleet's state lives in, except audit and events (for 'nothing
-        changed' checks)."""
-        skip = (keys.AUDIT, keys.EVENTS, keys.PLAN, keys.LEADER)
+        """Every key the fleet's state lives in, except bookkeeping (audit, events, answers to
+        idempotency keys) and what agents write: for 'nothing changed' checks."""
+        skip = (keys.AUDIT, keys.EVENTS, keys.PLAN, keys.LEADER, api_keys.IDEMPOTENCY)
         out = {}
         for e in await self.store.get_prefix(keys.PREFIX):
             if e.key.startswith(skip) or e.key.endswith(("/status", "/alive")):

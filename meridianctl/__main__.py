@@ -1,0 +1,3 @@
+from meridianctl.cli import main
+
+main()

@@ -1,0 +1,182 @@
+"""meridianctl against a real controller and real etcd: every command, its output, its exit
+codes, confirmation, and the 'done when' of issue 7."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.meridianctl.conftest import Ctl
+from tests.meridianctl.stack import REGIONS, Stack, token_settings
+from tests.support import EtcdServer, free_port
+from wire import keys
+from wire.models import RegionHealth
+
+
+async def _state(stack: Stack, region: str) -> str:
+    entry = await stack.store.get(keys.health(region))
+    assert entry is not None
+    return RegionHealth.model_validate_json(entry.value).state
+
+
+async def test_status_shows_every_region(ctl: Ctl) -> None:
+    ran = await ctl("status", role="viewer")
+    assert ran.code == 0, ran.err
+    header = ran.out.splitlines()[0].split()
+    assert header == ["REGION", "STATE", "STRIKES", "CAPACITY", "LOAD", "WEIGHT", "BACKUP",
+                      "FLOOR"]  # fmt: skip
+    for region in ("eu-west", "eu-north", "us-east"):
+        assert region in ran.out
+    assert "healthy" in ran.out and "geography eu:" in ran.out
+    as_json = await ctl("status", "--output", "json", role="viewer")
+    data = json.loads(as_json.out)
+    assert {r["region"] for r in data["regions"]} == {"eu-west", "eu-north", "us-east"}
+
+
+async def test_failover_dry_run_apply_and_failback(stack: Stack, ctl: Ctl) -> None:
+    before = await stack.snapshot()
+    dry = await ctl("failover", "--from", "eu-west", "--reason", "test", "--dry-run")
+    assert dry.code == 0, dry.err
+    assert "eu-west: healthy -> failed" in dry.out and "dry run: nothing changed" in dry.out
+    assert await stack.snapshot() == before
+
+    done = await ctl("failover", "--from", "eu-west", "--reason", "test", "--yes")
+    assert done.code == 0, done.err
+    assert "did change" in done.out
+    assert await _state(stack, "eu-west") == "failed"
+    shown = await ctl("regions", "show", "eu-west", role="viewer")
+    assert "manual failover by operator-user: test" in shown.out
+
+    audit = await ctl("audit")
+    assert audit.code == 0 and "failover" in audit.out and "applied" in audit.out
+
+    back = await ctl("failback", "eu-west", "--reason", "fixed")
+    assert back.code == 0, back.err
+    for _ in range(100):
+        if await _state(stack, "eu-west") == "healthy":
+            break
+        await asyncio.sleep(0.1)
+    assert await _state(stack, "eu-west") == "healthy"
+
+
+async def test_confirmation_is_asked_and_no_aborts(stack: Stack, ctl: Ctl) -> None:
+    before = await stack.snapshot()
+    ran = await ctl("drain", "us-east", "--reason", "maintenance", input="n\n")
+    assert ran.code == 9 and "apply this?" in ran.out and "nothing was changed" in ran.err
+    assert await stack.snapshot() == before
+    ran = await ctl("drain", "us-east", "--reason", "maintenance", input="y\n")
+    assert ran.code == 0, ran.err
+    assert await _state(stack, "us-east") == "drained"
+
+
+async def test_exit_codes(stack: Stack, ctl: Ctl) -> None:
+    before = await stack.snapshot()
+    viewer = await ctl("failover", "--from", "eu-west", "--reason", "x", "--yes", role="viewer")
+    assert viewer.code == 5 and "needs role operator" in viewer.err
+    nobody = await ctl("status", role="not-a-token")
+    assert nobody.code == 4 and "what to do" in nobody.err
+    unknown = await ctl("drain", "mars-1", "--reason", "x", "--yes")
+    assert unknown.code == 6 and "known regions" in unknown.err
+    residency = await ctl("failover", "--from", "eu-west", "--to", "us-east", "--reason", "x",
+                          "--yes")  # fmt: skip
+    assert residency.code == 7 and "residency" in residency.err and "eu-north" in residency.err
+    usage = await ctl("failover", "--reason", "x")
+    assert usage.code == 2
+    bad_key = await ctl("policies", "set", "nonsense=1", "--reason", "x", role="admin")
+    assert bad_key.code == 2 and "window_s" in bad_key.err
+    out_of_range = await ctl("policies", "set", "strikes=0", "--reason", "x", role="admin")
+    assert out_of_range.code == 7 and "strikes" in out_of_range.err
+    not_admin = await ctl("policies", "set", "strikes=4", "--reason", "x")
+    assert not_admin.code == 5
+    assert await stack.snapshot() == before
+
+
+async def test_unreachable_api_exits_3(ctl: Ctl) -> None:
+    env = {**os.environ, "MERIDIAN_URL": f"http://127.0.0.1:{free_port()}", "MERIDIAN_TOKEN": "x"}
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "meridianctl", "status"], env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "cannot reach the admin API" in done.stderr
+
+
+async def test_policies_dns_events_health(stack: Stack, ctl: Ctl) -> None:
+    got = await ctl("policies", "get", role="viewer")
+    assert got.code == 0 and "strikes" in got.out and "settings" in got.out
+    done = await ctl("policies", "set", "strikes=4", "ramp=0.1,0.5,1", "ttft_p99_slo_s=off",
+                     "--reason", "tuning", role="admin")  # fmt: skip
+    assert done.code == 0, done.err
+    data = json.loads((await ctl("policies", "get", "-o", "json", role="viewer")).out)
+    assert data["values"]["strikes"] == 4 and data["values"]["ramp"] == [0.1, 0.5, 1.0]
+    assert data["values"]["ttft_p99_slo_s"] is None and data["by"] == "admin-user"
+    dns = await ctl("dns", "show", role="viewer")
+    assert dns.code == 0 and "no DNS plan applied yet" in dns.out
+    bind = await ctl("dns", "bind-config", role="admin")
+    assert bind.code == 0 and "Meridian DNS steering" in bind.out
+    assert (await ctl("dns", "bind-config", role="operator")).code == 5
+    await ctl("drain", "us-east", "--reason", "for events", "--yes")
+    ev = await ctl("events", "--region", "us-east", role="viewer")
+    assert ev.code == 0 and "operator set draining" in ev.out
+    followed = await ctl("events", "--follow", "--count", "1", "--interval", "0.2", role="viewer")
+    assert followed.code == 0 and followed.out.strip()
+    health = await ctl("health", role="viewer")
+    assert health.code == 0 and "ctl-a: leading" in health.out
+
+
+async def test_shell_completion_script(ctl: Ctl) -> None:
+    ran = await ctl("completion", "bash")
+    assert ran.code == 0 and "_MERIDIANCTL_COMPLETE" in ran.out
+
+
+async def test_against_a_meridian_controller_process_with_admin_port_flag(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """The console scripts as an operator runs them: a controller process, meridianctl."""
+    config = tmp_path / "controller.toml"
+    lines = [f'[etcd]\nendpoints = ["{etcd.url}"]\n', "[failover]\nwindow_s = 0.5\n"]
+    lines.append("[api]\n")
+    for t in token_settings():
+        lines.append(f'[[api.tokens]]\nname = "{t["name"]}"\nrole = "{t["role"]}"\n'
+                     f'sha256 = "{t["sha256"]}"\n')  # fmt: skip
+    for r in REGIONS:
+        lines.append(f'[[regions]]\nid = "{r["id"]}"\ngeo = "{r["geo"]}"\n'
+                     f"residency = {json.dumps(r['residency'])}\n")  # fmt: skip
+    config.write_text("\n".join(lines))
+    port = free_port()
+    stack = Stack(etcd.url)
+    stack.start_agents()
+    bin_dir = Path(sys.executable).parent
+    proc = await asyncio.create_subprocess_exec(
+        str(bin_dir / "meridian-controller"), "--config", str(config), "--port", "0",
+        "--admin-port", str(port), "--id", "ctl-proc",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = b""
+        async with asyncio.timeout(30):
+            while not line.startswith(b"ADMIN "):
+                line = await proc.stdout.readline()
+                assert line, "the controller exited before serving its admin API"
+        assert line.decode().strip() == f"ADMIN http://127.0.0.1:{port}"
+        env = {**os.environ, "MERIDIAN_URL": f"http://127.0.0.1:{port}",
+               "MERIDIAN_TOKEN": "viewer-secret-token"}  # fmt: skip
+        for _ in range(50):
+            done = await asyncio.to_thread(
+                subprocess.run, [str(bin_dir / "meridianctl"), "status"], env=env,
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            if done.returncode == 0 and "healthy" in done.stdout:
+                break
+            await asyncio.sleep(0.3)
+        assert done.returncode == 0, done.stderr
+        assert all(r["id"] in done.stdout for r in REGIONS), done.stdout
+    finally:
+        proc.terminate()
+        await proc.wait()
+        await stack.close()
