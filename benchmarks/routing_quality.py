@@ -60,6 +60,7 @@ from simulator import offline, profile
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
 MERIDIAN_POLICIES = ("meridian", "prefix_aware", "session", "power_of_two", "round_robin")
+FULL_PEER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 QUICK_ROUTERS = (
     "meridian:meridian",
     "meridian:prefix_aware",
@@ -571,7 +572,10 @@ def default_routers(quick: bool) -> str:
     if quick:
         return ",".join(QUICK_ROUTERS)
     return ",".join(
-        [*(f"meridian:{p}" for p in MERIDIAN_POLICIES), *(f"{p}:all" for p in _peers.PEERS)]
+        [
+            *(f"meridian:{p}" for p in MERIDIAN_POLICIES),
+            *(f"{p}:{q}" for p in _peers.PEERS for q in FULL_PEER_POLICIES),
+        ]
     )
 
 
@@ -579,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short slice: minutes in all")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--requests", type=int, help="trace rows (default 120 quick, 600 full)")
+    parser.add_argument("--requests", type=int, help="trace rows (default 300 quick, 600 full)")
     parser.add_argument("--skip", type=int, default=0, help="trace rows to skip first")
     parser.add_argument(
         "--loads", help="fractions of capacity (default 0.8 quick, else 0.5,0.8,0.95)"
@@ -599,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers-root", help="where the peers' venvs live (default ~/.cache/...)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    n_requests = args.requests or (120 if args.quick else 600)
+    n_requests = args.requests or (300 if args.quick else 600)
     loads = [float(x) for x in (args.loads or ("0.8" if args.quick else "0.5,0.8,0.95")).split(",")]
     routers = parse_routers(args.routers or default_routers(args.quick))
     if not args.trace.exists():
