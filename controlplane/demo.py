@@ -14,8 +14,13 @@ windows (2 s instead of 30 s) it then:
    was decided changes;
 4. restarts eu-west's agent: two good windows, then the ramp 5 → 25 → 50 → 100 %.
 
+A real BIND9 (when installed; ``make setup`` installs it) serves ``meridian.example.`` in two
+views, configured by ``bindconf.render`` — ``eu`` for clients from 127.0.0.2, ``default`` (us)
+for everyone else — and the controllers steer it with TSIG-signed RFC 2136 updates.
+
 Every window it prints each region's judged state, strikes, weight, capacity and floor, the
-leader and the eu/us answers DNS would give; events are printed as the controller records them.
+leader, the plan's eu/us shares, and what ``dig -b 127.0.0.2`` (eu) and ``dig -b 127.0.0.1``
+(us) are told: A records and SRV priority/weight; events as the controller records them.
 
     python -m controlplane.demo [--window-s 2]
 """
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +47,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+import dns.asyncquery
+import dns.exception
+import dns.message
+import dns.query
+import dns.rdatatype
+
+from controlplane.dns import bindconf
+from controlplane.dns.settings import DnsSettings
 
 ADMIN_TOKEN = "demo-admin-token"
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -48,6 +63,12 @@ REGIONS = {
     "eu-north": {"geo": "eu", "residency": "eu", "nodes": 1, "lat": 59.3, "lon": 18.1},
     "us-east": {"geo": "us", "residency": "", "nodes": 2, "lat": 39.0, "lon": -77.5},
 }
+# client-facing addresses (documentation ranges) the agents publish and DNS hands out
+ADDRESSES = {"eu-west": "192.0.2.11", "eu-north": "192.0.2.12", "us-east": "198.51.100.13"}
+DNS_ZONE = "meridian.example."
+DNS_VIEWS = (("eu", "eu", "127.0.0.2"), ("default", "us", "127.0.0.1"))  # view, geo, clients
+API_NAME = "api." + DNS_ZONE
+SRV_NAME = "_https._tcp.api." + DNS_ZONE
 
 
 def _free_port() -> int:
@@ -79,6 +100,7 @@ class Fleet:
     controllers: dict[str, Proc] = field(default_factory=dict)
     ok: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    dns: DnsSettings | None = None
 
     def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Proc:
         log = (self.work / f"{name}.log").open("w")
@@ -94,6 +116,8 @@ class Fleet:
     def ready(self, p: Proc, timeout_s: float = 60.0) -> Proc:
         assert p.proc.stdout is not None
         line = p.proc.stdout.readline()
+        while line and not line.startswith("READY "):  # e.g. ADMIN <url> before it
+            line = p.proc.stdout.readline()
         if not line.startswith("READY "):
             raise SystemExit(f"demo: {p.name} did not start; see {self.work / (p.name + '.log')}")
         p.url = line.split()[1]
@@ -132,7 +156,7 @@ class Fleet:
         args = [
             sys.executable, "-m", "regional_agent.cli", "--port", "0", "--admin-token", ADMIN_TOKEN,
             "--region", region, "--geo", str(info["geo"]), "--etcd", self.etcd_url,
-            "--endpoint", f"https://{region}.meridian.example", "--log-level", "WARNING",
+            "--endpoint", f"https://{ADDRESSES[region]}", "--log-level", "WARNING",
             *[a for n in nodes for a in ("--node", n)],
         ]  # fmt: skip
         if info["residency"]:
@@ -153,6 +177,83 @@ class Fleet:
             self.spawn(f"{region}-agent", self.agent_args[region], env=env)
         )
 
+    def start_bind(self) -> None:
+        """named with two views, from the operator's generator (``bindconf.render``)."""
+        path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+        named = shutil.which("named", path=path)
+        if named is None:
+            print("  BIND9 (named) is not installed: `make setup` installs it; no DNS this time")
+            return
+        work = self.work / "bind"
+        (work / "zones").mkdir(parents=True)
+        port = _free_port()
+        views = [
+            {
+                "name": view,
+                "geo": geo,
+                "match_clients": [] if view == "default" else [clients],
+                "tsig": {"name": f"meridian-{view}", "secret": _secret()},
+            }
+            for view, geo, clients in DNS_VIEWS
+        ]
+        self.dns = DnsSettings.model_validate(
+            {"backend": "rfc2136", "server": "127.0.0.1", "port": port, "zone": DNS_ZONE,
+             "views": views}
+        )  # fmt: skip
+        options = (
+            f'options {{ directory "{work}"; pid-file "{work}/named.pid";\n'
+            f'  session-keyfile "{work}/session.key"; managed-keys-directory "{work}";\n'
+            f"  listen-on port {port} {{ 127.0.0.1; }}; listen-on-v6 {{ none; }};\n"
+            "  recursion no; dnssec-validation no; notify no; };\ncontrols { };\n"
+        )
+        conf = work / "named.conf"
+        conf.write_text(options + bindconf.render(self.dns, zone_dir=str(work / "zones")))
+        for view, _, _ in DNS_VIEWS:
+            (work / "zones" / f"{view}.{DNS_ZONE}db").write_text(
+                f"$TTL 300\n@ IN SOA ns1.{DNS_ZONE} hostmaster.{DNS_ZONE} 1 3600 600 86400 30\n"
+                f"@ IN NS ns1.{DNS_ZONE}\nns1.{DNS_ZONE} IN A 127.0.0.1\n"
+            )
+        with contextlib.suppress(OSError):  # AppArmor confines /usr/sbin/named to /etc/bind
+            if Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y":
+                named = str(shutil.copy2(named, work / "named"))
+        self.spawn("named", [named, "-g", "-4", "-n", "1", "-c", str(conf)])
+        deadline = time.monotonic() + 30
+        pending = [clients for _, _, clients in DNS_VIEWS]
+        while pending and time.monotonic() < deadline:
+            query = dns.message.make_query(DNS_ZONE, dns.rdatatype.SOA)
+            for source in list(pending):
+                with contextlib.suppress(OSError, dns.exception.DNSException):
+                    r = dns.query.udp(query, "127.0.0.1", port=port, source=source, timeout=0.5)
+                    if r.answer:
+                        pending.remove(source)
+            time.sleep(0.1)
+        if pending:
+            raise SystemExit(f"demo: named did not start; see {work / 'named.conf'} and logs")
+
+    def dns_toml(self) -> list[str]:
+        if self.dns is None:
+            return []
+        lines = [
+            "[dns]",
+            'backend = "rfc2136"',
+            f'server = "{self.dns.server}"',
+            f"port = {self.dns.port}",
+            f'zone = "{self.dns.zone}"',
+            "",
+        ]
+        for view in self.dns.views:
+            assert view.tsig is not None
+            lines += [
+                "[[dns.views]]",
+                f'name = "{view.name}"',
+                f'geo = "{view.geo}"',
+                "[dns.views.tsig]",
+                f'name = "{view.tsig.name}"',
+                f'secret = "{view.tsig.secret.get_secret_value()}"',
+                "",
+            ]
+        return lines
+
     def start_controller(self, name: str) -> None:
         config = self.work / "controller.toml"
         if not config.exists():
@@ -164,6 +265,7 @@ class Fleet:
                 f"min_hold_s = {2 * self.window_s}",
                 f"status_stale_s = {3 * self.window_s}",
                 "",
+                *self.dns_toml(),
             ]
             for region, info in REGIONS.items():
                 residency = f'["{info["residency"]}"]' if info["residency"] else "[]"
@@ -181,7 +283,7 @@ class Fleet:
             name,
             [sys.executable, "-m", "controlplane.cli", "--etcd", self.etcd_url, "--config",
              str(config), "--id", name, "--port", "0", "--log-level", "WARNING"],
-            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3"},
+            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3", "MERIDIAN_CONTROLLER_API__PORT": "0"},
         )  # fmt: skip
         self.controllers[name] = self.ready(p)
 
@@ -224,6 +326,34 @@ async def _traffic(fleet: Fleet, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.2)
 
 
+def _secret() -> str:
+    return base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+async def _dig(fleet: Fleet, source: str) -> str:
+    """What ``dig -b <source> api.meridian.example`` (A and SRV) is told, on one line."""
+    assert fleet.dns is not None
+    by_address = {a: r for r, a in ADDRESSES.items()}
+    parts = []
+    for name, rdtype in ((API_NAME, "A"), (SRV_NAME, "SRV")):
+        query = dns.message.make_query(name, rdtype)
+        try:
+            r = await dns.asyncquery.udp(
+                query, fleet.dns.server, port=fleet.dns.port, source=source, timeout=1
+            )
+        except (OSError, dns.exception.DNSException) as exc:
+            return f"no answer ({type(exc).__name__})"
+        values = sorted(v.to_text() for rrset in r.answer for v in rrset)
+        if rdtype == "A":
+            parts.append("A " + (", ".join(f"{v} ({by_address.get(v, '?')})" for v in values)
+                                 or "-"))  # fmt: skip
+        else:
+            srv = sorted(v.split() for v in values)
+            parts.append("SRV " + (", ".join(f"{t.split('.')[0]} {p} {w}" for p, w, _, t in srv)
+                                   or "-"))  # fmt: skip
+    return "   ".join(parts)
+
+
 async def _get(session: aiohttp.ClientSession, url: str) -> Any:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
         return await r.json()
@@ -256,6 +386,9 @@ async def _show(
         for geo, shares in sorted(plan.get("serving", {}).items())
     )
     print(f"   DNS answers  {answers}" + (f"   ALERT {plan['alert']}" if plan.get("alert") else ""))
+    if fleet.dns is not None:
+        for _, geo, source in DNS_VIEWS:
+            print(f"   dig -b {source} {API_NAME:22} ({geo})  {await _dig(fleet, source)}")
     for event in events:
         key = json.dumps(event, sort_keys=True)
         if key not in seen:
@@ -308,8 +441,8 @@ async def _run(fleet: Fleet) -> int:
     await traffic
     print(
         f"\nDone. Requests served: {sum(fleet.ok.values())}, failed: {sum(fleet.failed.values())}. "
-        "While eu-west's agent was dead its clients were not sent anywhere here: DNS steering "
-        "(next) gives them eu-north's address from the plan's eu answer."
+        "While eu-west's agent was dead, DNS sent eu clients (dig -b 127.0.0.2) to eu-north; "
+        "on recovery eu-west's SRV weight ramped back."
     )
     return 0
 
@@ -329,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"windows of {args.window_s:g} s"
         )
         fleet.start_etcd()
+        fleet.start_bind()
+        if fleet.dns is not None:
+            print(f"  BIND9: 127.0.0.1:{fleet.dns.port}, views eu (127.0.0.2) and default (us)")
         for region in REGIONS:
             fleet.start_region(region)
             print(f"  {region}: agent {fleet.agents[region].url}")

@@ -24,3 +24,16 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     assert max(floors) >= 2.0  # half of eu-west's 4 nodes
     capacities = [float(c) for c in re.findall(r"eu-north .* capacity +([\d.]+)", out)]
     assert max(capacities) >= 2.0  # pre-warmed by the simulator actuator from 1 node
+    # DNS steering through a real BIND9: what `dig -b 127.0.0.2` (the eu view) is told
+    eu = [line for line in out.splitlines() if "dig -b 127.0.0.2" in line]
+    both = "A 192.0.2.11 (eu-west), 192.0.2.12 (eu-north)"
+    assert both in eu[0]  # steady: both eu regions, equal SRV weights
+    assert "SRV eu-north 10 50, eu-west 10 50" in eu[0]
+    failed_over = [i for i, line in enumerate(eu) if "A 192.0.2.12 (eu-north)   SRV" in line]
+    assert failed_over, "the eu answer never moved to eu-north alone"
+    assert "SRV eu-north 10 100" in eu[failed_over[0]]
+    ramp = [int(w) for line in eu[failed_over[0] :] for w in re.findall(r"eu-west 10 (\d+)", line)]
+    assert any(0 < w < 50 for w in ramp), ramp  # eu-west's SRV weight ramps back ...
+    assert ramp[-1] == 50 and ramp == sorted(ramp)  # ... to its equal share
+    us = [line for line in out.splitlines() if "dig -b 127.0.0.1" in line]
+    assert all("A 198.51.100.13 (us-east)" in line for line in us)  # the us view: us-east
