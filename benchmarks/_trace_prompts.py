@@ -2,7 +2,8 @@
 
 The Mooncake trace (kvcache-ai/Mooncake, FAST'25) gives each request ``hash_ids``: one id per
 512-token block of its prompt, equal ids meaning an equal prefix up to the end of that block.
-Here every hash id becomes a fixed run of 512 words, each one token under the simulator's
+Rows are read with ``simulator.workloads.read_mooncake``.  Here every hash id becomes a fixed
+run of 512 words, each one token under the simulator's
 tokenizer (``policies/prompt.py``: a space and 1-8 letters is one piece), drawn from a
 ``random.Random`` seeded by the id.  A prompt is the concatenation of its blocks' words, the last
 block cut to the request's ``input_length``.  So two requests with equal leading hash ids have
@@ -21,72 +22,44 @@ input is 12,035 tokens.  The cut keeps the shared prefix, which is at the front.
 
 from __future__ import annotations
 
-import json
 import random
 import string
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from simulator import workloads
+from simulator.workloads import TraceRequest
 
 TRACE_BLOCK_TOKENS: Final = 512
 TEMPLATE_TOKENS: Final = 9  # what render_chat adds around one user message ("assistant" is 2)
 _LETTERS: Final = string.ascii_lowercase
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TraceRequest:
-    """One row of a Mooncake JSONL trace."""
-
-    timestamp_s: float
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...]
-
-
-def read_mooncake(
-    path: Path | str, *, limit: int | None = None, skip: int = 0
-) -> list[TraceRequest]:
-    """Rows ``skip .. skip + limit`` of a Mooncake JSONL trace (``timestamp`` in ms)."""
-    out: list[TraceRequest] = []
-    with Path(path).open() as f:
-        for i, line in enumerate(f):
-            if i < skip or not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
-            out.append(
-                TraceRequest(
-                    timestamp_s=float(row["timestamp"]) / 1000.0,
-                    input_tokens=int(row["input_length"]),
-                    output_tokens=int(row["output_length"]),
-                    hash_ids=tuple(int(h) for h in row["hash_ids"]),
-                )
-            )
-    return out
+def read_rows(path: Path | str, *, limit: int, skip: int = 0) -> list[TraceRequest]:
+    """Rows ``skip .. skip + limit`` of a Mooncake trace (``simulator.workloads.read_mooncake``)."""
+    return workloads.read_mooncake(path, limit=skip + limit)[skip:]
 
 
 class PromptBuilder:
     """Block texts by hash id, built once and reused (a conversation's blocks recur)."""
 
-    def __init__(self, *, seed: int = 0, block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
+    def __init__(self, *, seed: int = 0) -> None:
         self.seed = seed
-        self.block_tokens = block_tokens
-        self._blocks: dict[int, list[str]] = {}
+        self._blocks: dict[tuple[int, int], list[str]] = {}
 
-    def block_words(self, hash_id: int) -> list[str]:
-        words = self._blocks.get(hash_id)
+    def block_words(self, hash_id: int, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[str]:
+        words = self._blocks.get((hash_id, block_tokens))
         if words is None:
             rng = random.Random(f"mooncake-block:{self.seed}:{hash_id}")
             words = [
                 " " + "".join(rng.choices(_LETTERS, k=rng.randint(2, 8)))
-                for _ in range(self.block_tokens)
+                for _ in range(block_tokens)
             ]
-            self._blocks[hash_id] = words
+            self._blocks[(hash_id, block_tokens)] = words
         return words
 
     def prompt_tokens(self, req: TraceRequest, *, max_prompt_tokens: int | None = None) -> int:
-        n = min(req.input_tokens, len(req.hash_ids) * self.block_tokens)
+        n = min(req.input_length, len(req.hash_ids) * req.block_tokens)
         return n if max_prompt_tokens is None else min(n, max_prompt_tokens)
 
     def text(self, req: TraceRequest, *, max_prompt_tokens: int | None = None) -> str:
@@ -96,7 +69,7 @@ class PromptBuilder:
         for hash_id in req.hash_ids:
             if remaining <= 0:
                 break
-            words = self.block_words(hash_id)
+            words = self.block_words(hash_id, req.block_tokens)
             take = min(remaining, len(words))
             parts.extend(words[:take])
             remaining -= take
@@ -111,12 +84,12 @@ class PromptBuilder:
         max_model_len: int,
     ) -> dict[str, Any]:
         """An OpenAI chat request: the prompt cut so that prompt, template and output fit."""
-        max_prompt = max_model_len - req.output_tokens - TEMPLATE_TOKENS - 1
+        max_prompt = max_model_len - req.output_length - TEMPLATE_TOKENS - 1
         body: dict[str, Any] = {
             "model": model,
             "messages": [{"role": "user", "content": self.text(req, max_prompt_tokens=max_prompt)}],
-            "max_tokens": req.output_tokens,
-            "min_tokens": req.output_tokens,
+            "max_tokens": req.output_length,
+            "min_tokens": req.output_length,
             "ignore_eos": True,
             "stream": stream,
         }

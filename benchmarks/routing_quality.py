@@ -56,6 +56,7 @@ import agent_overhead as ao
 
 from policies import prompt
 from simulator import offline, profile
+from simulator.workloads import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
@@ -88,7 +89,7 @@ class Prepared:
 
 
 def prepare(
-    rows: Sequence[_trace_prompts.TraceRequest],
+    rows: Sequence[TraceRequest],
     builder: _trace_prompts.PromptBuilder,
     *,
     model: str,
@@ -108,7 +109,7 @@ def prepare(
                 trace_s=row.timestamp_s - t0,
                 body=json.dumps(body).encode(),
                 prompt_tokens=len(ids),
-                output_tokens=row.output_tokens,
+                output_tokens=row.output_length,
             )
         )
     return out, tokens
@@ -136,7 +137,7 @@ def reuse_bound(tokens: Sequence[tuple[int, ...]], *, block_size: int) -> float:
 
 def estimate_capacity(
     prof: profile.Profile,
-    rows: Sequence[_trace_prompts.TraceRequest],
+    rows: Sequence[TraceRequest],
     builder: _trace_prompts.PromptBuilder,
     *,
     nodes: int,
@@ -154,7 +155,7 @@ def estimate_capacity(
         )
         ids = prompt.tokenize(prompt.render_chat(body["messages"]))
         arrivals.append(
-            offline.Arrival(time_s=0.0, prompt_token_ids=ids, max_tokens=row.output_tokens)
+            offline.Arrival(time_s=0.0, prompt_token_ids=ids, max_tokens=row.output_length)
         )
     rep = offline.replay(prof, arrivals)
     done = sorted(r.finished_s for r in rep.records)
@@ -615,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     log(f"load average at start {load_start}; reading {args.trace}")
     sample_n = max(n_requests, args.capacity_sample)
-    rows_all = _trace_prompts.read_mooncake(args.trace, limit=sample_n, skip=args.skip)
+    rows_all = _trace_prompts.read_rows(args.trace, limit=sample_n, skip=args.skip)
     log(f"building {n_requests} prompts...")
     builder = _trace_prompts.PromptBuilder(seed=args.seed)
     reqs, tokens = prepare(
@@ -628,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clipped = sum(
         1
         for r, p in zip(rows_all[:n_requests], reqs, strict=True)
-        if p.prompt_tokens < r.input_tokens
+        if p.prompt_tokens < r.input_length
     )
     bound = reuse_bound(tokens, block_size=prof.block_size)
     log(f"estimating capacity from {len(rows_all)} rows (offline replay, virtual time)...")

@@ -6,15 +6,15 @@ import json
 from pathlib import Path
 
 import _trace_prompts as tp
-import pytest
 
 from policies import prompt
+from simulator.workloads import TraceRequest
 
 BLOCK = 16  # the simulated nodes' KV block size
 
 
 def _hashes(
-    builder: tp.PromptBuilder, req: tp.TraceRequest, max_model_len: int = 100_000
+    builder: tp.PromptBuilder, req: TraceRequest, max_model_len: int = 100_000
 ) -> tuple[int, ...]:
     body = builder.chat_body(req, model="m", stream=True, max_model_len=max_model_len)
     return prompt.block_hashes(
@@ -22,9 +22,9 @@ def _hashes(
     )
 
 
-def _req(hash_ids: tuple[int, ...], input_tokens: int, output_tokens: int = 10) -> tp.TraceRequest:
-    return tp.TraceRequest(
-        timestamp_s=0.0, input_tokens=input_tokens, output_tokens=output_tokens, hash_ids=hash_ids
+def _req(hash_ids: tuple[int, ...], input_tokens: int, output_tokens: int = 10) -> TraceRequest:
+    return TraceRequest(
+        timestamp_s=0.0, input_length=input_tokens, output_length=output_tokens, hash_ids=hash_ids
     )
 
 
@@ -82,18 +82,13 @@ def test_long_prompts_are_cut_to_fit_the_context_with_their_output() -> None:
     assert body["stream_options"] == {"include_usage": True}
 
 
-def test_read_mooncake(tmp_path: Path) -> None:
+def test_read_rows_skips_and_limits(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     rows = [
         {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]},
         {"timestamp": 1500, "input_length": 100, "output_length": 7, "hash_ids": [0]},
+        {"timestamp": 2000, "input_length": 10, "output_length": 1, "hash_ids": [2]},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = tp.read_mooncake(path)
-    assert got[1] == _req((0,), 100, 7).__class__(
-        timestamp_s=1.5, input_tokens=100, output_tokens=7, hash_ids=(0,)
-    )
-    assert tp.read_mooncake(path, skip=1, limit=1) == got[1:]
-    with pytest.raises(KeyError):
-        path.write_text('{"timestamp": 0}\n')
-        tp.read_mooncake(path)
+    got = tp.read_rows(path, skip=1, limit=1)
+    assert [(r.timestamp_s, r.input_length, r.hash_ids) for r in got] == [(1.5, 100, (0,))]
