@@ -520,7 +520,8 @@ def table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
+def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str, bound: float) -> bool:
+    """TTFT p99 and hit rate per router: bars for one load, lines over several."""
     try:
         import matplotlib
 
@@ -529,22 +530,41 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
     except ImportError:
         log("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     keys = sorted({(r["router"], r["policy"]) for r in rows})
-    for key in keys:
-        pts = sorted(
-            (r for r in rows if (r["router"], r["policy"]) == key), key=lambda r: r["load"]
-        )
-        xs = [r["load"] * 100 for r in pts]
-        style = "-o" if key[0] == "meridian" else "--s"
-        ax1.plot(xs, [r["ttft_p99_s"] for r in pts], style, label=f"{key[0]} {key[1]}")
-        ax2.plot(xs, [r["prefix_hit_rate"] * 100 for r in pts], style, label=f"{key[0]} {key[1]}")
-    ax1.set_xlabel("load (% of fleet capacity)")
-    ax1.set_ylabel("TTFT p99 (wall s)")
-    ax1.set_yscale("log")
-    ax2.set_xlabel("load (% of fleet capacity)")
-    ax2.set_ylabel("prefix-cache hit rate (%)")
-    ax2.legend(fontsize=7, loc="best")
+    loads = sorted({r["load"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(12, 0.9 + 0.32 * len(keys) if len(loads) == 1 else 4.5)
+    )
+    if len(loads) == 1:
+        by = {(r["router"], r["policy"]): r for r in rows}
+        labels = [f"{k[0]} {k[1]}" for k in keys]
+        colors = ["tab:blue" if k[0] == "meridian" else "tab:gray" for k in keys]
+        ax1.barh(labels, [by[k]["ttft_p99_s"] for k in keys], color=colors)
+        ax1.set_xlabel(f"TTFT p99 (wall s) at {loads[0]:.0%} load")
+        ax1.invert_yaxis()
+        ax2.barh(labels, [by[k]["prefix_hit_rate"] * 100 for k in keys], color=colors)
+        ax2.axvline(bound * 100, linestyle="--", color="black", label="reuse bound")
+        ax2.set_xlabel("prefix-cache hit rate (%)")
+        ax2.invert_yaxis()
+        ax2.set_yticklabels([])
+        ax2.legend(fontsize=7)
+    else:
+        for key in keys:
+            pts = sorted(
+                (r for r in rows if (r["router"], r["policy"]) == key), key=lambda r: r["load"]
+            )
+            xs = [r["load"] * 100 for r in pts]
+            style = "-o" if key[0] == "meridian" else "--s"
+            label = f"{key[0]} {key[1]}"
+            ax1.plot(xs, [r["ttft_p99_s"] for r in pts], style, label=label)
+            ax2.plot(xs, [r["prefix_hit_rate"] * 100 for r in pts], style, label=label)
+        ax2.axhline(bound * 100, linestyle=":", color="black", label="reuse bound")
+        ax1.set_xlabel("load (% of fleet capacity)")
+        ax1.set_ylabel("TTFT p99 (wall s)")
+        ax1.set_yscale("log")
+        ax2.set_xlabel("load (% of fleet capacity)")
+        ax2.set_ylabel("prefix-cache hit rate (%)")
+        ax2.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -720,7 +740,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out_dir / "routing_quality.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     if rows:
-        plot(rows, args.out_dir / "routing_quality.png", md[2])
+        title = (
+            f"Mooncake conversation trace, {n_requests} rows, {args.nodes} x {args.profile} at "
+            f"time scale {args.time_scale:g}"
+        )
+        plot(rows, args.out_dir / "routing_quality.png", title=title, bound=bound)
     log(f"done in {meta['elapsed_s']:.0f} s; wrote {args.out_dir}/routing_quality.{{json,md,png}}")
     return 0
 
