@@ -119,9 +119,11 @@ class Steering:
                 log.warning("dns: fenced off, another replica leads; stopping DNS steering")
                 return
             except (DnsError, StoreUnavailable) as exc:
+                refused = isinstance(exc, DnsRefused)
                 await self._failed(exc)
             except Exception as exc:  # the runner: a bug must not end steering silently
                 log.exception("dns: pass crashed")
+                refused = False
                 await self._failed(exc)
             else:
                 self.failures = 0
@@ -130,6 +132,8 @@ class Steering:
                 self.settings.dns.retry_max_s,
                 self.settings.dns.retry_initial_s * 2 ** (self.failures - 1),
             )
+            if refused:  # a configuration problem: retry at the slowest pace
+                delay = self.settings.dns.retry_max_s
             await asyncio.sleep(delay * self.rng.uniform(0.8, 1.2))
             self._wake.set()  # retry, with the newest plan
 
@@ -210,11 +214,11 @@ class Steering:
         level = logging.ERROR if isinstance(exc, DnsRefused) else logging.WARNING
         first = self.applied is None or self.applied.error != text
         if first or self.failures == 1:
+            what = "refused by the DNS server" if isinstance(exc, DnsRefused) else "apply failed"
             log.log(
                 level,
                 "dns: %s: %s; keeping the desired state (generation %s), retrying with backoff",
-                "update refused" if isinstance(exc, DnsRefused) else "apply failed", text,
-                self.desired.generation if self.desired is not None else "-",
+                what, text, self.desired.generation if self.desired is not None else "-",
             )  # fmt: skip
         if isinstance(exc, StoreUnavailable):
             return

@@ -205,7 +205,7 @@ async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
     applied = await _applied(store)
     assert applied.error is not None and "BADSIG" in applied.error and "geo-a" in applied.error
     assert applied.generation == 0 and applied.desired_generation > 0
-    refused = [r for r in caplog.records if "update refused" in r.getMessage()]
+    refused = [r for r in caplog.records if "refused by the DNS server" in r.getMessage()]
     assert refused and refused[0].levelno == logging.ERROR
     assert "BADSIG" in refused[0].getMessage()
     assert forged not in caplog.text  # secrets never reach the logs
