@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="read API port; 0 picks one (server.port)")
     p.add_argument("--admin-host", help="admin API address (api.host)")
     p.add_argument(
-        "--admin-port", type=int, help="admin API port; 0 picks one (api.port, default 8091)"
+        "--admin-port", type=int, help="serve the admin API on this port; 0 picks one (api.port)"
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p

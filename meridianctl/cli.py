@@ -8,7 +8,9 @@ and ask for confirmation unless ``--yes``.  Exit codes: ``meridianctl.errors``.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -509,6 +511,26 @@ def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str,
         _json(data)
     else:
         click.echo("policies set; the leader applies them from its next window")
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+
+@cli.group()
+def token() -> None:
+    """Make bearer tokens for the controller's [[api.tokens]] (nothing is sent)."""
+
+
+@token.command("new")
+@click.option("--name", required=True, help="who will hold it (shown in the audit log)")
+@click.option("--role", type=click.Choice(["viewer", "operator", "admin"]), required=True)
+def token_new(name: str, role: str) -> None:
+    """Print a new random token (give it to its holder) and the TOML entry with its hash."""
+    secret = secrets.token_urlsafe(32)
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    click.echo(f"token (give to {name}, shown once): {secret}")
+    click.echo("add to the controllers' settings (the token itself is never stored):")
+    click.echo(f'[[api.tokens]]\nname = "{name}"\nrole = "{role}"\nsha256 = "{digest}"')
 
 
 # -- completion --------------------------------------------------------------------------------

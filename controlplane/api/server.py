@@ -101,7 +101,7 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
 
     async def ctx(_: web.Application) -> AsyncIterator[None]:
         s = api.settings.api
-        if not s.enabled:
+        if s.port is None:
             yield
             return
         tls = _server_tls(api.settings)

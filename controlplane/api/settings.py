@@ -7,7 +7,7 @@ time (``hmac.compare_digest``).
 .. code-block:: toml
 
     [api]
-    port = 8091
+    port = 8091                 # unset: this replica serves no admin API
     [api.tls]
     cert_file = "/etc/meridian/admin.crt"
     key_file = "/etc/meridian/admin.key"
@@ -67,9 +67,13 @@ class TlsSettings(_Group):
 
 
 class ApiSettings(_Group):
-    enabled: bool = Field(True, description="serve the admin API on this replica")
     host: str = Field("127.0.0.1", description="address of the admin API")
-    port: int = Field(8091, ge=0, le=65535, description="port of the admin API; 0 picks one")
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="port of the admin API (8091 is customary); 0 picks one; unset: not served",
+    )
     advertise_url: str | None = Field(
         None,
         description="URL other replicas use to forward writes here; default "

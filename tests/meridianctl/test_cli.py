@@ -4,12 +4,14 @@ codes, confirmation, and the 'done when' of issue 7."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from controlplane.api.settings import TokenEntry
 from tests.meridianctl.conftest import Ctl
 from tests.meridianctl.stack import REGIONS, Stack, token_settings
 from tests.support import EtcdServer, free_port
@@ -180,3 +182,12 @@ async def test_against_a_meridian_controller_process_with_admin_port_flag(
         proc.terminate()
         await proc.wait()
         await stack.close()
+
+
+async def test_token_new_prints_a_token_and_the_hash_to_configure(ctl: Ctl) -> None:
+    ran = await ctl("token", "new", "--name", "alice", "--role", "operator")
+    assert ran.code == 0
+    token = ran.out.splitlines()[0].rsplit(" ", 1)[1]
+    digest = ran.out.split('sha256 = "')[1].split('"')[0]
+    assert hashlib.sha256(token.encode()).hexdigest() == digest
+    assert TokenEntry(name="alice", role="operator", sha256=digest).sha256 == digest
