@@ -236,13 +236,27 @@ def dns_show(ctx: click.Context, output: str) -> None:
     with _client(ctx) as client:
         data = client.get("/v1/dns")
     applied = data.get("applied")
-    if output == "json" or applied is None:
-        if applied is None and output != "json":
-            click.echo("no DNS plan applied yet (dns.backend off, or no window since it was on)")
-            return
+    if output == "json":
         _json(data)
         return
-    _json(applied)
+    if applied is None:
+        click.echo(data.get("problem") or "no DNS plan applied yet (dns.backend off, or no "
+                   "window since it was turned on)")  # fmt: skip
+        return
+    when = "-"
+    if applied.get("applied_at"):
+        when = datetime.datetime.fromtimestamp(applied["applied_at"], tz=datetime.UTC).isoformat()
+    click.echo(f"backend {applied['backend']} server {applied['server']}")
+    click.echo(f"generation {applied['generation']} (newest plan {applied['desired_generation']}),"
+               f" window {applied['window']}, applied at {when}")  # fmt: skip
+    if applied.get("error"):
+        click.echo(f"ERROR: {applied['error']} (DNS serves generation {applied['generation']})")
+    for name, view in sorted(applied.get("views", {}).items()):
+        hold = " HOLD (left as it was)" if view.get("hold") else ""
+        click.echo(f"view {name} ({view['geo']}, zone {view['zone']}){hold}: {view['reason']}")
+        for r in view.get("records", []):
+            for value in r.get("values", []):
+                click.echo(f"  {r['name']} {r['ttl_s']} {r['type']} {value}")
 
 
 @dns.command("bind-config")

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wire.models import DnsApplied
+
 Action = Literal["drain", "undrain", "failover", "failback", "policies"]
 
 
@@ -168,9 +170,10 @@ class RegionDetail(_Out):
 
 
 class DnsView(_Out):
-    applied: dict[str, Any] | None = Field(
-        description="dns/applied as the controller stored it; null before the first apply"
+    applied: DnsApplied | None = Field(
+        description="dns/applied as the leader stored it; null before the first apply"
     )
+    problem: str | None = Field(None, description="why a stored value could not be read")
 
 
 class EventList(_Out):

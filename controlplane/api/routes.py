@@ -26,7 +26,6 @@ Every POST takes ``?dry_run=true`` (answer the plan, change nothing) and an opti
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,7 +57,7 @@ from controlplane.api.settings import Role
 from controlplane.dns import bindconf
 from controlplane.reconcile import fleet
 from wire import keys
-from wire.models import REGION_ID, Event
+from wire.models import REGION_ID, DnsApplied, Event
 
 if TYPE_CHECKING:
     from controlplane.api.server import Replica
@@ -230,14 +229,12 @@ async def get_region(call: Call) -> RegionDetail:
 
 async def get_dns(call: Call) -> DnsView:
     entry = await call.replica.store.get(keys.DNS_APPLIED)
-    applied: dict[str, Any] | None = None
-    if entry is not None:
-        try:
-            parsed = json.loads(entry.value)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            parsed = {"unreadable": entry.value.decode(errors="replace")}
-        applied = parsed if isinstance(parsed, dict) else {"value": parsed}
-    return DnsView(applied=applied)
+    if entry is None:
+        return DnsView(applied=None)
+    try:
+        return DnsView(applied=DnsApplied.model_validate_json(entry.value))
+    except pydantic.ValidationError as exc:
+        return DnsView(applied=None, problem=f"{keys.DNS_APPLIED} does not validate: {exc}")
 
 
 async def get_bind_config(call: Call) -> web.StreamResponse:

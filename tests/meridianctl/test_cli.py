@@ -16,7 +16,7 @@ from tests.meridianctl.conftest import Ctl
 from tests.meridianctl.stack import REGIONS, Stack, token_settings
 from tests.support import EtcdServer, free_port
 from wire import keys
-from wire.models import RegionHealth
+from wire.models import DnsApplied, DnsRecord, DnsViewApplied, RegionHealth
 
 
 async def _state(stack: Stack, region: str) -> str:
@@ -191,3 +191,25 @@ async def test_token_new_prints_a_token_and_the_hash_to_configure(ctl: Ctl) -> N
     digest = ran.out.split('sha256 = "')[1].split('"')[0]
     assert hashlib.sha256(token.encode()).hexdigest() == digest
     assert TokenEntry(name="alice", role="operator", sha256=digest).sha256 == digest
+
+
+async def test_dns_show_prints_what_was_applied(stack: Stack, ctl: Ctl) -> None:
+    applied = DnsApplied(
+        backend="rfc2136", server="127.0.0.1:53", generation=7, desired_generation=8, window=3,
+        applied_at=1_800_000_000.0, error="server refused the key",
+        views={"eu": DnsViewApplied(
+            view="eu", zone="meridian.example.", geo="eu", reason="serving eu-north 100%",
+            records=[DnsRecord(name="api.meridian.example.", type="A", ttl_s=30,
+                               values=["192.0.2.7"])],
+        )},
+    )  # fmt: skip
+    await stack.store.put(keys.DNS_APPLIED, applied.model_dump_json().encode())
+    shown = await ctl("dns", "show", role="viewer")
+    assert shown.code == 0, shown.err
+    assert "generation 7 (newest plan 8)" in shown.out and "server refused the key" in shown.out
+    assert "api.meridian.example. 30 A 192.0.2.7" in shown.out
+    data = json.loads((await ctl("dns", "show", "-o", "json", role="viewer")).out)
+    assert data["applied"]["generation"] == 7
+    await stack.store.put(keys.DNS_APPLIED, b'{"backend": "carrier-pigeon"}')
+    bad = await ctl("dns", "show", role="viewer")
+    assert bad.code == 0 and "does not validate" in bad.out
