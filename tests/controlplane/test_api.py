@@ -94,7 +94,7 @@ async def test_regions_lists_every_region_with_its_state(client: httpx.AsyncClie
     health = await client.get("/v1/health")
     assert health.status_code == 200 and health.json()["leading"] is True
     dns = await client.get("/v1/dns", headers=AUTH["viewer"])
-    assert dns.status_code == 200 and dns.json() == {"applied": None}
+    assert dns.status_code == 200 and dns.json() == {"applied": None, "problem": None}
 
 
 async def test_openapi_document_covers_every_route(client: httpx.AsyncClient) -> None:
