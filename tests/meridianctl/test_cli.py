@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from click.testing import CliRunner
+
 from controlplane.api.settings import TokenEntry
+from meridianctl.cli import cli
 from tests.meridianctl.conftest import Ctl
 from tests.meridianctl.stack import REGIONS, Stack, token_settings
 from tests.support import EtcdServer, free_port
@@ -213,3 +216,37 @@ async def test_dns_show_prints_what_was_applied(stack: Stack, ctl: Ctl) -> None:
     await stack.store.put(keys.DNS_APPLIED, b'{"backend": "carrier-pigeon"}')
     bad = await ctl("dns", "show", role="viewer")
     assert bad.code == 0 and "does not validate" in bad.out
+
+
+async def test_etcd_down_every_command_exits_8_and_nothing_changes(
+    fresh_etcd: EtcdServer,
+) -> None:
+    stack = Stack(fresh_etcd.url)
+    stack.start_agents()
+    try:
+        await stack.controller("ctl-a")
+        await stack.leader()
+        env = {"MERIDIAN_URL": stack.url("ctl-a"), "MERIDIAN_TOKEN": "operator-secret-token",
+               "MERIDIANCTL_CONFIG": None}  # fmt: skip
+        runner = CliRunner()
+        fresh_etcd.process.kill()
+        for args in (["status"], ["failover", "--from", "eu-west", "--reason", "x", "--yes"]):
+            ran = await asyncio.to_thread(runner.invoke, cli, args, env=env)
+            assert ran.exit_code == 8, (args, ran.stdout, ran.stderr)
+            assert "etcd unavailable" in ran.stderr and "what to do" in ran.stderr
+        health = await asyncio.to_thread(runner.invoke, cli, ["health"], env=env)
+        assert health.exit_code == 0 and "etcd" in health.stdout
+    finally:
+        await stack.close()
+
+
+def test_a_bad_token_hash_stops_the_controller_naming_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[api]\nport = 0\n[[api.tokens]]\nname = "a"\nrole = "viewer"\n'
+                      'sha256 = "my-secret-token"\n')  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "api.tokens.0.sha256" in done.stderr and "64 hex digits" in done.stderr
