@@ -283,7 +283,7 @@ class Fleet:
             name,
             [sys.executable, "-m", "controlplane.cli", "--etcd", self.etcd_url, "--config",
              str(config), "--id", name, "--port", "0", "--log-level", "WARNING"],
-            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3", "MERIDIAN_CONTROLLER_API__PORT": "0"},
+            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3"},
         )  # fmt: skip
         self.controllers[name] = self.ready(p)
 
