@@ -100,13 +100,17 @@ class _Request:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_preemptions: int = 0
+    prompt_len: int = 0  # len(prompt_token_ids), kept: the fleet's prompts compute it in Python
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_len + len(self.output_token_ids)
 
     def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
+        n = self.prompt_len
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
 
@@ -396,9 +400,9 @@ class Engine:
             if not req.counted:
                 req.counted = True
                 req.cached_prompt_tokens = req.num_computed_tokens
-                self.stats.prefix_cache_queries += len(req.prompt_token_ids)
+                self.stats.prefix_cache_queries += req.prompt_len
                 self.stats.prefix_cache_hits += req.num_computed_tokens
-                self.stats.prompt_tokens += len(req.prompt_token_ids)
+                self.stats.prompt_tokens += req.prompt_len
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now
             req.status = Status.RUNNING
@@ -414,7 +418,7 @@ class Engine:
         for req, num_new in scheduled:
             tokens_in_step += num_new
             before = req.num_computed_tokens
-            if num_new == 1 and before >= len(req.prompt_token_ids):
+            if num_new == 1 and before >= req.prompt_len:
                 kv_read += before
                 decodes += 1
             else:
@@ -535,7 +539,7 @@ class Engine:
         return RequestRecord(
             request_id=req.request_id,
             finish_reason=reason,
-            prompt_tokens=len(req.prompt_token_ids),
+            prompt_tokens=req.prompt_len,
             generation_tokens=len(req.output_token_ids),
             cached_prompt_tokens=req.cached_prompt_tokens,
             max_tokens=req.max_tokens,

@@ -235,12 +235,14 @@ class Fleet:
         self._records: list[RequestRecord | None] = [None] * n
         self.num_steps = 0
         self.num_decisions = 0
+        self._cpu_s = 0.0
 
     # -- setup -------------------------------------------------------------------------------
 
     def _build(self) -> None:
         cfg = self.config
         master = random.Random(cfg.seed)
+        phases = random.Random(cfg.seed + 1)
         per = [cfg.nodes // cfg.regions + (1 if r < cfg.nodes % cfg.regions else 0)
                for r in range(cfg.regions)]  # fmt: skip
         for r, count in enumerate(per):
@@ -258,8 +260,8 @@ class Fleet:
             self._regions.append(
                 _Region(nodes=nodes, policy=policy, rng=random.Random(master.getrandbits(64)))
             )
-            if not cfg.fresh:
-                phase = master.uniform(0, cfg.scrape_interval_s)
+            if not cfg.fresh:  # its own generator: staleness must not reseed routing
+                phase = phases.uniform(0, cfg.scrape_interval_s)
                 self._push(phase, _SCRAPE, r)
 
     def _make_policy(self) -> routing.Policy:
@@ -281,6 +283,7 @@ class Fleet:
 
     def run(self) -> FleetResult:
         started = time.monotonic()
+        cpu_started = time.process_time()
         for i, r in enumerate(self.requests):
             self._push(r.timestamp_s, _ARRIVE, i)
         total = len(self.requests)
@@ -319,6 +322,7 @@ class Fleet:
                         flush=True,
                     )
         wall_s = time.monotonic() - started
+        self._cpu_s = time.process_time() - cpu_started
         outcomes = self._outcomes()
         if any(o.finished_s is None and o.refused is None for o in outcomes):
             raise RuntimeError("fleet simulation ended with unfinished requests")
@@ -558,6 +562,7 @@ class Fleet:
             "refused_queue_full": refused.get("queue_full", 0),
             "refused_deadline": refused.get("deadline", 0),
             "refused_too_large": refused.get("too_large", 0),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
             "ttft_p50_s": percentile(ttft, 0.5),
             "ttft_p90_s": percentile(ttft, 0.9),
             "ttft_p99_s": percentile(ttft, 0.99),
@@ -571,6 +576,7 @@ class Fleet:
             "preemptions": preemptions,
             "virtual_s": span,
             "wall_s": wall_s,
+            "cpu_s": self._cpu_s,
             "engine_steps": self.num_steps,
             "decisions": self.num_decisions,
         }

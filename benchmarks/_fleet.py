@@ -1,0 +1,152 @@
+"""Shared plumbing of the fleet-simulator benchmarks (fleet_tables.py, cache_by_size.py).
+
+Runs are independent ``simulator.fleet`` simulations; they go to a pool of worker processes
+(2 by default: the development machine has 2 cores), each of which reads the trace once and
+keeps its block-hash memo across runs.  One node's capacity on the trace's length mix is
+measured once in the parent (``simulator.workloads.node_capacity_rps``) and handed to every
+run, so every load fraction means the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from simulator import fleet, profile, workloads  # noqa: E402
+
+DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
+MAX_MODEL_LEN = 131_072  # Llama-3.1-8B's context: the Mooncake trace has 126k-token prompts
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    section: str
+    policy: str
+    nodes: int
+    load: float
+    scrape_interval_s: float
+    window_s: float | None  # keep this many virtual seconds of arrivals (None: all)
+    min_requests: int
+    seed: int = 0
+    regions: int = 1
+
+
+_STATE: dict[str, Any] = {}
+
+
+def _init(trace: str, profile_name: str, capacity: float) -> None:
+    _STATE["requests"] = workloads.read_trace(trace)
+    _STATE["profile"] = fleet.with_context(profile.load(profile_name), MAX_MODEL_LEN)
+    _STATE["capacity"] = capacity
+    _STATE["hasher"] = workloads.BlockHasher(block_size=16)
+
+
+def _run(task: Task) -> dict[str, Any]:
+    prof = _STATE["profile"]
+    work = fleet.at_load(
+        _STATE["requests"],
+        prof,
+        nodes=task.nodes,
+        load=task.load,
+        duration_s=task.window_s,
+        min_requests=task.min_requests,
+        node_capacity_rps=_STATE["capacity"],
+    )
+    config = fleet.FleetConfig(
+        nodes=task.nodes,
+        policy=task.policy,
+        regions=task.regions,
+        scrape_interval_s=task.scrape_interval_s,
+        seed=task.seed,
+    )
+    result = fleet.simulate(prof, work.requests, config, hasher=_STATE["hasher"])
+    return {
+        "section": task.section,
+        "load": task.load,
+        "arrival_rate_per_s": work.rate_per_s,
+        "window_s": task.window_s,
+        **result.summary,
+    }
+
+
+def capacity(trace: Path, profile_name: str) -> float:
+    prof = fleet.with_context(profile.load(profile_name), MAX_MODEL_LEN)
+    return workloads.node_capacity_rps(prof, workloads.read_trace(trace))
+
+
+def run_all(
+    tasks: Sequence[Task],
+    *,
+    trace: Path,
+    profile_name: str,
+    capacity_rps: float,
+    jobs: int,
+    partial: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Run every task, ``jobs`` at a time, printing progress on stderr; rows in task order.
+    ``partial``: rewritten after every run with the rows so far (a long run can be read early).
+    """
+    started = time.monotonic()
+    rows: list[dict[str, Any] | None] = [None] * len(tasks)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(
+        jobs, initializer=_init, initargs=(str(trace), profile_name, capacity_rps)
+    ) as pool:
+        results = pool.imap_unordered(_indexed, list(enumerate(tasks)))
+        for done, (i, row) in enumerate(results, start=1):
+            rows[i] = row
+            t = tasks[i]
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps([r for r in rows if r is not None], indent=1))
+            print(
+                f"[{done}/{len(tasks)} {time.monotonic() - started:.0f} s] {t.section} "
+                f"{t.policy} n={t.nodes} load={t.load} scrape={t.scrape_interval_s}: "
+                f"ttft p99 {row['ttft_p99_s']:.3f} s, hit {row['prefix_hit_rate']:.3f}, "
+                f"{row['requests']} req in {row['wall_s']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return [r for r in rows if r is not None]
+
+
+def _indexed(item: tuple[int, Task]) -> tuple[int, dict[str, Any]]:
+    return item[0], _run(item[1])
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+
+
+def write(
+    out_dir: Path, name: str, meta: dict[str, Any], rows: list[dict[str, Any]], md: str
+) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(md)
+    print(f"wrote {out_dir / name}.json and .md", file=sys.stderr)
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.0f}"
+
+
+def pct(value: float) -> str:
+    return f"{value * 100:.1f} %"

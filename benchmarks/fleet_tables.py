@@ -1,0 +1,221 @@
+"""Routing policies across fleet sizes, loads and telemetry staleness, in the fleet simulator.
+
+Question: how do random, round robin, least connections, power of two, JSQ, prefix-aware and
+meridian compare at 16, 64 and 256 GPUs and 50, 80 and 95 % load, with fresh telemetry (every
+decision sees live engine state) and stale telemetry (scraped every ``--stale-scrape-s``)?  And
+the field's claim: at 64 GPUs and 80 % load, power of two < least connections < random on p99
+queue wait (8, 12, 25 ms): does it hold, and under which staleness?
+
+Workload: the Mooncake conversation trace, scaled to each load of the fleet's capacity
+(``simulator.workloads.node_capacity_rps``), keeping the first ``--window-s`` virtual seconds of
+arrivals (at least ``--min-requests``); every request runs to completion.  Nodes:
+``h100-llama3-8b`` with a 128k context.  Writes ``fleet_tables.{json,md,png}``.
+
+    python benchmarks/fleet_tables.py [--quick] [--trace ../shared/workloads/...jsonl]
+        [--jobs 2] [--out-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import _fleet
+from _fleet import Task, ms, pct
+
+POLICIES = (
+    "random",
+    "round_robin",
+    "least_connections",
+    "power_of_two",
+    "jsq",
+    "prefix_aware",
+    "meridian",
+)
+CLAIM_POLICIES = ("power_of_two", "least_connections", "random")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trace", type=Path, default=_fleet.DEFAULT_TRACE, help="Mooncake JSONL")
+    p.add_argument("--profile", default="h100-llama3-8b")
+    p.add_argument("--quick", action="store_true", help="a minutes-long subset")
+    p.add_argument("--sizes", default=None, help="GPUs, a list (default 16,64,256)")
+    p.add_argument("--loads", default=None, help="load fractions (default 0.5,0.8,0.95)")
+    p.add_argument("--stale-scrape-s", type=float, default=1.0, help="the stale case's interval")
+    p.add_argument("--claim-scrapes", default=None, help="claim check intervals, s")
+    p.add_argument("--window-s", type=float, default=None, help="virtual seconds of arrivals")
+    p.add_argument("--min-requests", type=int, default=None)
+    p.add_argument(
+        "--claim-window-s", type=float, default=None, help="the claim check's window (30 s)"
+    )
+    p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    q = args.quick
+    sizes = [int(x) for x in (args.sizes or ("16,64" if q else "16,64,256")).split(",")]
+    loads = _floats(args.loads or ("0.8" if q else "0.5,0.8,0.95"))
+    claim_scrapes = _floats(args.claim_scrapes or ("0,1" if q else "0,0.25,1,2,5"))
+    window_s = args.window_s if args.window_s is not None else (5.0 if q else 10.0)
+    min_requests = args.min_requests if args.min_requests is not None else (300 if q else 600)
+    claim_window_s = args.claim_window_s or (window_s if q else 30.0)
+    stale = args.stale_scrape_s
+
+    tasks = [
+        Task("grid", pol, n, load, scrape, window_s, min_requests)
+        for n in sizes
+        for load in loads
+        for scrape in (0.0, stale)
+        for pol in POLICIES
+    ]
+    tasks += [
+        Task("claim", pol, 64, 0.8, scrape, claim_window_s, min_requests)
+        for scrape in claim_scrapes
+        for pol in CLAIM_POLICIES
+    ]
+    print(f"fleet_tables: {len(tasks)} runs on {args.jobs} processes", file=sys.stderr)
+    cap = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
+    print(f"fleet_tables: one node's capacity {cap:.3f} requests/s", file=sys.stderr)
+    rows = _fleet.run_all(
+        tasks,
+        trace=args.trace,
+        profile_name=args.profile,
+        capacity_rps=cap,
+        jobs=args.jobs,
+        partial=args.out_dir / "fleet_tables.partial.json",
+    )
+    meta = {
+        "trace": str(args.trace),
+        "profile": args.profile,
+        "max_model_len": _fleet.MAX_MODEL_LEN,
+        "node_capacity_rps": cap,
+        "window_s": window_s,
+        "claim_window_s": claim_window_s,
+        "min_requests": min_requests,
+        "stale_scrape_s": stale,
+        "quick": q,
+        "machine": _fleet.machine(),
+        "command": " ".join(sys.argv),
+    }
+    md = render(rows, meta, sizes=sizes, loads=loads, stale=stale)
+    _fleet.write(args.out_dir, "fleet_tables", meta, rows, md)
+    plot(rows, args.out_dir / "fleet_tables.png", sizes=sizes, stale=stale)
+    return 0
+
+
+def _key(r: dict[str, Any]) -> tuple[int, float, float, str]:
+    return (int(r["nodes"]), float(r["load"]), float(r["scrape_interval_s"]), str(r["policy"]))
+
+
+def render(
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    *,
+    sizes: list[int],
+    loads: list[float],
+    stale: float,
+) -> str:
+    by = {_key(r): r for r in rows if r["section"] == "grid"}
+    out = [
+        "# Fleet tables (simulator)",
+        "",
+        f"Command: `{meta['command']}`; node capacity {meta['node_capacity_rps']:.3f} req/s; "
+        f"window {meta['window_s']} s of arrivals, at least {meta['min_requests']} requests.",
+        "",
+        "Times in ms; queue wait = agent queue + engine queue until first scheduled.",
+        "",
+    ]
+    for n in sizes:
+        for load in loads:
+            out += [
+                f"## {n} GPUs, {load:.0%} load",
+                "",
+                "| policy | telemetry | requests | TTFT p50 | TTFT p99 | e2e p99 | queue wait p99 "
+                "| prefix hit | out tok/s |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for scrape in (0.0, stale):
+                for pol in POLICIES:
+                    r = by.get((n, load, scrape, pol))
+                    if r is None:
+                        continue
+                    tel = "fresh" if scrape == 0 else f"scrape {scrape:g} s"
+                    out.append(
+                        f"| {pol} | {tel} | {r['requests']} | {ms(r['ttft_p50_s'])} | "
+                        f"{ms(r['ttft_p99_s'])} | {ms(r['e2e_p99_s'])} | "
+                        f"{ms(r['queue_wait_p99_s'])} | {pct(r['prefix_hit_rate'])} | "
+                        f"{r['throughput_tok_s']:.0f} |"
+                    )
+            out.append("")
+    claim = sorted(
+        (r for r in rows if r["section"] == "claim"),
+        key=lambda r: (r["scrape_interval_s"], CLAIM_POLICIES.index(r["policy"])),
+    )
+    out += [
+        "## Claim check: 64 GPUs, 80 % load, p99 queue wait (field: p2c 8 < lc 12 < random 25 ms)",
+        "",
+        f"Window {meta['claim_window_s']} s of arrivals.",
+        "",
+        "| telemetry | power of two | least connections | random | order holds |",
+        "|---|---:|---:|---:|---|",
+    ]
+    scrapes = sorted({r["scrape_interval_s"] for r in claim})
+    for s in scrapes:
+        vals = {r["policy"]: r["queue_wait_p99_s"] for r in claim if r["scrape_interval_s"] == s}
+        if len(vals) < 3:
+            continue
+        holds = vals["power_of_two"] < vals["least_connections"] < vals["random"]
+        tel = "fresh" if s == 0 else f"scrape {s:g} s"
+        out.append(
+            f"| {tel} | {ms(vals['power_of_two'])} | {ms(vals['least_connections'])} | "
+            f"{ms(vals['random'])} | {'yes' if holds else 'no'} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, *, sizes: list[int], stale: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(2, len(sizes), figsize=(5 * len(sizes), 8), squeeze=False)
+    for col, n in enumerate(sizes):
+        for row_i, scrape in enumerate((0.0, stale)):
+            ax = axes[row_i][col]
+            for pol in POLICIES:
+                pts = sorted(
+                    (r["load"], r["ttft_p99_s"])
+                    for r in rows
+                    if r["section"] == "grid"
+                    and r["nodes"] == n
+                    and r["policy"] == pol
+                    and r["scrape_interval_s"] == scrape
+                )
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol)
+            tel = "fresh" if scrape == 0 else f"scrape {scrape:g} s"
+            ax.set_title(f"{n} GPUs, {tel}")
+            ax.set_xlabel("load (fraction of capacity)")
+            ax.set_ylabel("TTFT p99 (s)")
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
