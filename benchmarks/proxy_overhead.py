@@ -12,7 +12,9 @@ has a core of its own and the direct baseline runs on the same core as everythin
 is a closed loop of C workers (aiohttp, kept-alive connections; ``agent_overhead.run_load``),
 chat requests with a short prompt that differs per request, non-streaming (2 output tokens) and
 streaming (8 tokens, so 10 SSE events).  Per point: 1 s of warm-up, then ``--duration-s``
-measured.  "Added" is router p50 minus direct p50 (and p99 minus p99) at the same C.
+measured.  Each router point comes right after a direct point at the same C (the router idle in
+the meantime), so both see the same outside load; "added" is router p50 minus that direct p50
+(and p99 minus p99).
 
 CPU per request is the router's process tree's user + system time (``/proc``) over the point,
 divided by its requests; its idle CPU (health checks, scrapes), measured before its points, is
@@ -155,7 +157,7 @@ async def measure(
     concurrency: int,
     args: argparse.Namespace,
     counter: itertools.count[int],
-    proxy_pid: int | None,
+    proxy_pid: int,
     node_pids: Sequence[int],
 ) -> dict[str, Any]:
     load = {
@@ -168,12 +170,12 @@ async def measure(
     warm = await ao.run_load(session, urls, duration_s=args.warmup_s, **load)
     if not warm.latencies_s:
         raise SystemExit(f"{urls[0]}: no request succeeded in warm-up ({warm.first_error})")
-    proxy0 = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
+    proxy0 = tree_cpu_s(proxy_pid)
     nodes0 = sum(ao.cpu_s(p) for p in node_pids)
     self0 = ao.self_cpu_s()
     machine0 = ao.machine_cpu_s()
     res = await ao.run_load(session, urls, duration_s=args.duration_s, **load)
-    proxy_cpu = (tree_cpu_s(proxy_pid) - proxy0) if proxy_pid else 0.0
+    proxy_cpu = tree_cpu_s(proxy_pid) - proxy0
     nodes_cpu = sum(ao.cpu_s(p) for p in node_pids) - nodes0
     self_cpu = ao.self_cpu_s() - self0
     machine_cpu = ao.machine_cpu_s() - machine0
@@ -216,68 +218,65 @@ async def run_all(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async with session.get(node_urls[0] + "/v1/models") as resp:
             args.model = (await resp.json())["data"][0]["id"]
-        for target in ["direct", *routers]:
-            proxy: Proxy | None = None
-            idle_cpu_per_s = 0.0
-            if target != "direct":
-                try:
-                    proxy = start_proxy(
-                        target,
-                        node_urls,
-                        logdir=logdir,
-                        peers_root=args.peers_root,
-                        cpu=proxy_cpu,
-                    )
-                except _peers.PeerError as exc:
-                    log(f"skipping {target}: {exc}")
-                    continue
+        for target in routers:
             try:
-                urls = list(node_urls) if proxy is None else [proxy.url]
-                for u in urls:
+                proxy = start_proxy(
+                    target, node_urls, logdir=logdir, peers_root=args.peers_root, cpu=proxy_cpu
+                )
+            except _peers.PeerError as exc:
+                log(f"skipping {target}: {exc}")
+                continue
+            try:
+                for u in [*node_urls, proxy.url]:
                     await ao.wait_serving(session, u, model=args.model, timeout_s=60)
-                if proxy is not None:
-                    await asyncio.sleep(0.5)
-                    c0, t0 = tree_cpu_s(proxy.pid), time.perf_counter()
-                    await asyncio.sleep(args.idle_s)
-                    idle_cpu_per_s = (tree_cpu_s(proxy.pid) - c0) / (time.perf_counter() - t0)
+                await asyncio.sleep(0.5)
+                c0, t0 = tree_cpu_s(proxy.pid), time.perf_counter()
+                await asyncio.sleep(args.idle_s)
+                idle_cpu_per_s = (tree_cpu_s(proxy.pid) - c0) / (time.perf_counter() - t0)
                 for stream in (False, True):
                     for conc in concurrency:
-                        row = await measure(
-                            session,
-                            urls,
-                            stream=stream,
-                            concurrency=conc,
-                            args=args,
-                            counter=counter,
-                            proxy_pid=proxy.pid if proxy else None,
-                            node_pids=node_pids,
-                        )
+                        # the direct point right before the router's: the same outside load
+                        pair: list[dict[str, Any]] = []
+                        for urls in (list(node_urls), [proxy.url]):
+                            pair.append(
+                                await measure(
+                                    session,
+                                    urls,
+                                    stream=stream,
+                                    concurrency=conc,
+                                    args=args,
+                                    counter=counter,
+                                    proxy_pid=proxy.pid,
+                                    node_pids=node_pids,
+                                )
+                            )
+                        direct, row = pair
                         net = row["proxy_cpu_s"] - idle_cpu_per_s * row["elapsed_s"]
                         n = row["requests"]
                         row.update(
                             target=target,
-                            policy=proxy.policy if proxy else "",
+                            policy=proxy.policy,
                             idle_cpu_cores=idle_cpu_per_s,
                             cpu_us_per_request=row["proxy_cpu_s"] / n * 1e6 if n else None,
-                            net_cpu_us_per_request=net / n * 1e6 if n and proxy else None,
-                            requests_per_core=n / net if n and proxy and net > 0 else None,
+                            net_cpu_us_per_request=net / n * 1e6 if n else None,
+                            requests_per_core=n / net if n and net > 0 else None,
+                            direct=direct,
                         )
                         rows.append(row)
-                        cpu = (
-                            f", {row['net_cpu_us_per_request']:.0f} µs CPU/request net"
-                            if proxy
-                            else ""
-                        )
                         log(
                             f"{target} {'stream' if stream else 'plain'} C={conc}: "
-                            f"{row['requests_per_s']:.0f} req/s, p50 "
-                            f"{row['latency_p50_s'] * 1000:.2f} ms, p99 "
-                            f"{row['latency_p99_s'] * 1000:.2f} ms{cpu}, others "
-                            f"{row['others_cpu_cores']:.2f} cores, errors {row['errors']}"
+                            f"{row['requests_per_s']:.0f} req/s (direct "
+                            f"{direct['requests_per_s']:.0f}), p50 "
+                            f"{row['latency_p50_s'] * 1000:.2f} ms (direct "
+                            f"{direct['latency_p50_s'] * 1000:.2f}), p99 "
+                            f"{row['latency_p99_s'] * 1000:.2f} ms (direct "
+                            f"{direct['latency_p99_s'] * 1000:.2f}), "
+                            f"{row['net_cpu_us_per_request']:.0f} µs CPU/request net, others "
+                            f"{max(row['others_cpu_cores'], direct['others_cpu_cores']):.2f} "
+                            f"cores, errors {row['errors'] + direct['errors']}"
                         )
             finally:
-                if proxy is not None:
-                    proxy.stop()
+                proxy.stop()
     return rows
 
 
@@ -286,34 +285,34 @@ def _ms(x: float | None) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    direct = {(r["stream"], r["concurrency"]): r for r in rows if r["target"] == "direct"}
+    """One line per router and point; "added" against the direct point measured just before."""
     out = [
-        "| mode | C | router | req/s | p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) "
-        "| added TTFB p50 (ms) | added TTFB p99 (ms) | CPU/request net (µs) | idle CPU (cores) "
-        "| req/s per core | other load (cores) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | C | router | direct req/s | router req/s | direct p50 (ms) | router p50 (ms) "
+        "| added p50 (ms) | added p99 (ms) | added TTFB p50 (ms) | added TTFB p99 (ms) "
+        "| CPU/request net (µs) | idle CPU (cores) | req/s per core | other load (cores) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (r["stream"], r["concurrency"], r["target"] != "direct")):
-        d = direct.get((r["stream"], r["concurrency"]))
+    order = {name: i for i, name in enumerate(ROUTERS)}
+    for r in sorted(rows, key=lambda r: (r["stream"], r["concurrency"], order[r["target"]])):
+        d = r["direct"]
         cells = [
             "stream" if r["stream"] else "plain",
             str(r["concurrency"]),
             r["target"],
+            f"{d['requests_per_s']:.0f}",
             f"{r['requests_per_s']:.0f}",
+            _ms(d["latency_p50_s"]),
             _ms(r["latency_p50_s"]),
-            _ms(r["latency_p99_s"]),
         ]
         for key in ("latency_p50_s", "latency_p99_s", "ttfb_p50_s", "ttfb_p99_s"):
-            ok = r["target"] != "direct" and d is not None and r[key] is not None
-            cells.append(_ms(r[key] - d[key]) if ok and d is not None else "")
-        proxy = r["target"] != "direct"
+            cells.append("" if r[key] is None else _ms(r[key] - d[key]))
         net = r["net_cpu_us_per_request"]
         per_core = r["requests_per_core"]
         cells += [
-            f"{net:.0f}" if proxy and net is not None else "",
-            f"{r['idle_cpu_cores']:.3f}" if proxy else "",
-            f"{per_core:.0f}" if proxy and per_core else "",
-            f"{r['others_cpu_cores']:.2f}",
+            "n/a" if net is None else f"{net:.0f}",
+            f"{r['idle_cpu_cores']:.3f}",
+            f"{per_core:.0f}" if per_core else "n/a",
+            f"{max(r['others_cpu_cores'], d['others_cpu_cores']):.2f}",
         ]
         out.append("| " + " | ".join(cells) + " |")
     return out
