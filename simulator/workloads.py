@@ -461,7 +461,8 @@ def node_capacity_rps(
     time in one engine (the agent's per-node cap), each generating exactly its
     ``output_length``; the engine steps in virtual time with the profile's step costs.  The
     capacity is the completion rate after the first ``warmup`` completions, up to the last.
-    Requests too long for the profile are left out of the sample.
+    Requests too long for the profile are left out of the sample; a trace shorter than
+    ``sample`` is repeated.
     """
     fits = [
         r
@@ -469,10 +470,17 @@ def node_capacity_rps(
         if r.input_length + r.output_length <= profile.max_model_len
         and r.input_length + r.output_length <= profile.kv_cache_tokens
     ]
-    if len(fits) < warmup + 2:
-        raise ValueError("too few requests fit the profile to estimate a capacity")
-    stride = max(1, len(fits) // sample)
-    picked = fits[::stride][:sample]
+    if not fits:
+        raise WorkloadError(
+            f"no request of the trace fits the profile {profile.name!r} "
+            f"(max_model_len {profile.max_model_len}, {profile.kv_cache_tokens} KV tokens)"
+        )
+    if warmup + 2 > sample:
+        raise ValueError("sample must exceed warmup by at least 2")
+    if len(fits) >= sample:
+        picked = fits[:: len(fits) // sample][:sample]
+    else:  # a short trace: its mix, repeated
+        picked = [fits[i % len(fits)] for i in range(sample)]
     engine = Engine(profile, rng=random.Random(0))
     pending = list(reversed(picked))
     now = 0.0
