@@ -7,7 +7,8 @@
 #   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
 #   make demo    the whole fleet on loopback and a regional failover (controlplane.demo)
 #   make demo-region  one region: nodes behind an agent, a drain and a kill (simulator.demo)
-#   make bench   every benchmarks/*.py script (not _helpers.py)
+#   make bench   every benchmarks/*.py script (not _helpers.py) with --quick: minutes each
+#   make bench-full      the same without --quick: the full tables (hours on 2 cores)
 #   make clean   caches and build output; `make distclean` also removes .venv
 
 SHELL := /bin/bash
@@ -30,7 +31,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST = run_pytest() { status=0; $(PY) -m pytest "$$@" || status=$$?; \
   [ "$$status" != 5 ] || echo "pytest collected no test for: $$*" >&2; return "$$status"; }; run_pytest
 
-.PHONY: setup system-deps lint test real-vllm test-real-vllm demo demo-region bench clean distclean
+.PHONY: setup system-deps lint test real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
 
 setup: system-deps $(STAMP)
 
@@ -78,14 +79,19 @@ demo: setup
 demo-region: setup
 	$(PY) -m simulator.demo
 
+# BENCH_ARGS: --quick for `make bench` (minutes each), nothing for `make bench-full`.
+BENCH_ARGS ?= --quick
 bench: setup
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	@for script in benchmarks/*.py; do \
 	  [ -e "$$script" ] || continue; \
 	  case "$${script##*/}" in _*) continue;; esac; \
-	  echo "== $$script"; \
-	  $(PY) "$$script"; \
+	  echo "== $$script $(BENCH_ARGS)"; \
+	  $(PY) "$$script" $(BENCH_ARGS); \
 	done
+
+bench-full:
+	$(MAKE) bench BENCH_ARGS=
 
 clean:
 	rm -rf .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache build dist

@@ -500,7 +500,10 @@ def main() -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=2, help="output tokens per request")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--quick", action="store_true", help="C = 1 and 16, 3 s each")
     args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.duration_s, args.idle_s = "1,16", min(args.duration_s, 3.0), 1.0
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:

@@ -785,7 +785,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--etcd", default=None, help="an etcd URL; default: start one")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--quick", action="store_true", help="16 and 64 GPUs, speedup 10, 30 s")
     args = parser.parse_args()
+    if args.quick:
+        args.gpus, args.speedups, args.duration_s = "16,64", "10", min(args.duration_s, 30.0)
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file (pass the Mooncake trace's path)")
     args.gpus = [int(x) for x in args.gpus.split(",") if x.strip()]

@@ -73,7 +73,10 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--quick", action="store_true", help="3 rates, 30 s each (make bench)")
     args = parser.parse_args()
+    if args.quick:
+        args.rates, args.duration_s = "5,15,25", min(args.duration_s, 30.0)
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file (pass the Azure trace CSV's path)")
     rates = [float(r) for r in args.rates.split(",") if r.strip()]

@@ -418,7 +418,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backends", default="vllm,sim", type=lambda s: s.split(","))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="levels 1,2,4 with 8 requests, a 3-length sweep; the simulator only when\n"
+        "real vLLM is not installed (make real-vllm installs it)",
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.levels, args.requests_per_level = [1, 2, 4], min(args.requests_per_level, 8)
+        args.prefill_lengths, args.prefill_requests = [16, 128, 448], 2
+        env = {
+            "REAL_VLLM_VENV": str(args.vllm_venv.resolve()),
+            "REAL_VLLM_MODEL_DIR": str(args.model.resolve()),
+        }
+        try:
+            real_vllm.find_install(env)
+        except real_vllm.VllmMissing as exc:
+            print(f"sim_fidelity: {exc}: simulator only", file=sys.stderr)
+            args.backends = [b for b in args.backends if b != "vllm"]
     unknown = set(args.backends) - {"vllm", "sim"}
     if unknown:
         p.error(f"unknown backend(s) {sorted(unknown)}; use vllm and/or sim")
