@@ -12,7 +12,10 @@ windows (2 s instead of 30 s) it then:
    the eu geography to eu-north (never to us-east: residency);
 3. kills the leading controller: the other replica leads within the lease TTL and nothing that
    was decided changes;
-4. restarts eu-west's agent: two good windows, then the ramp 5 → 25 → 50 → 100 %.
+4. restarts eu-west's agent: two good windows, then the ramp 5 → 25 → 50 → 100 %;
+5. hands over to an operator with ``meridianctl`` against the controllers' admin API:
+   ``status``, a dry-run manual failover of eu-west that changes nothing, the
+   same failover applied, a viewer token refused, the failback and its ramp, and the audit.
 
 A real BIND9 (when installed; ``make setup`` installs it) serves ``meridian.example.`` in two
 views, configured by ``bindconf.render`` — ``eu`` for clients from 127.0.0.2, ``default`` (us)
@@ -31,6 +34,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -57,6 +61,8 @@ from controlplane.dns import bindconf
 from controlplane.dns.settings import DnsSettings
 
 ADMIN_TOKEN = "demo-admin-token"
+OPERATOR_TOKEN = "demo-operator-token"  # meridianctl: failover, failback
+VIEWER_TOKEN = "demo-viewer-token"  # meridianctl: reads only
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 REGIONS = {
     "eu-west": {"geo": "eu", "residency": "eu", "nodes": 4, "lat": 53.3, "lon": -6.3},
@@ -83,6 +89,7 @@ class Proc:
     proc: subprocess.Popen[str]
     log: IO[str]
     url: str = ""
+    admin_url: str = ""
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -117,6 +124,8 @@ class Fleet:
         assert p.proc.stdout is not None
         line = p.proc.stdout.readline()
         while line and not line.startswith("READY "):  # e.g. ADMIN <url> before it
+            if line.startswith("ADMIN "):
+                p.admin_url = line.split()[1]
             line = p.proc.stdout.readline()
         if not line.startswith("READY "):
             raise SystemExit(f"demo: {p.name} did not start; see {self.work / (p.name + '.log')}")
@@ -266,7 +275,16 @@ class Fleet:
                 f"status_stale_s = {3 * self.window_s}",
                 "",
                 *self.dns_toml(),
+                "[api]",
+                "port = 0",
             ]
+            for holder, role, token in (
+                ("demo-operator", "operator", OPERATOR_TOKEN),
+                ("demo-viewer", "viewer", VIEWER_TOKEN),
+            ):
+                digest = hashlib.sha256(token.encode()).hexdigest()
+                lines += ["[[api.tokens]]", f'name = "{holder}"', f'role = "{role}"',
+                          f'sha256 = "{digest}"', ""]  # fmt: skip
             for region, info in REGIONS.items():
                 residency = f'["{info["residency"]}"]' if info["residency"] else "[]"
                 lines += [
@@ -295,6 +313,8 @@ class Fleet:
                 p.proc.wait(timeout=10)
             if p.proc.poll() is None:
                 p.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.proc.wait(timeout=5)
             if p.proc.stdout is not None:
                 p.proc.stdout.close()
             p.log.close()
@@ -400,6 +420,31 @@ async def _show(
     return {"regions": regions, "plan": plan, "leader": leader}
 
 
+async def _ctl(fleet: Fleet, token: str, *args: str) -> int:
+    """Run ``meridianctl ARGS`` against a live replica's admin API, print it, return its code."""
+    live = [c for c in fleet.controllers.values() if c.proc.poll() is None and c.admin_url]
+    if not live:
+        print("   (no controller serves the admin API)")
+        return -1
+    who = {OPERATOR_TOKEN: "operator", VIEWER_TOKEN: "viewer"}.get(token, "?")
+    print(f"\n   [{who}] $ meridianctl {' '.join(_quote(a) for a in args)}")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meridianctl", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "MERIDIAN_URL": live[0].admin_url, "MERIDIAN_TOKEN": token},
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    for line in out.decode(errors="replace").rstrip().splitlines():
+        print(f"     {line}")
+    code = proc.returncode if proc.returncode is not None else -1
+    print(f"     (exit {code})")
+    return code
+
+
+def _quote(arg: str) -> str:
+    return f'"{arg}"' if " " in arg else arg
+
+
 async def _run(fleet: Fleet) -> int:
     w = fleet.window_s
     stop = asyncio.Event()
@@ -437,12 +482,30 @@ async def _run(fleet: Fleet) -> int:
             health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
             if health.get("state") == "healthy" and health.get("weight") == 1.0:
                 break
+        print("\n== 5. an operator takes over with meridianctl (the admin API, tokens, audit)\n")
+        await _ctl(fleet, VIEWER_TOKEN, "status")
+        why = "demo: planned network work in eu-west"
+        await _ctl(fleet, OPERATOR_TOKEN, "failover", "--from", "eu-west", "--reason", why,
+                   "--dry-run")  # fmt: skip
+        await windows(1)
+        await _ctl(fleet, OPERATOR_TOKEN, "failover", "--from", "eu-west", "--reason", why,
+                   "--yes")  # fmt: skip
+        await windows(3)
+        await _ctl(fleet, VIEWER_TOKEN, "failback", "eu-west", "--reason", "a viewer tries")
+        await _ctl(fleet, OPERATOR_TOKEN, "failback", "eu-west", "--reason", "demo: work done")
+        for _ in range(15):
+            state = await windows(1)
+            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
+            if health.get("state") == "healthy" and health.get("weight") == 1.0:
+                break
+        await _ctl(fleet, OPERATOR_TOKEN, "audit", "--limit", "3")
     stop.set()
     await traffic
     print(
         f"\nDone. Requests served: {sum(fleet.ok.values())}, failed: {sum(fleet.failed.values())}. "
         "While eu-west's agent was dead, DNS sent eu clients (dig -b 127.0.0.2) to eu-north; "
-        "on recovery eu-west's SRV weight ramped back."
+        "on recovery eu-west's SRV weight ramped back; an operator's manual failover did the "
+        "same, audited, and its failback ramped back again."
     )
     return 0
 

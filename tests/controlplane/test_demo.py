@@ -25,7 +25,8 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     capacities = [float(c) for c in re.findall(r"eu-north .* capacity +([\d.]+)", out)]
     assert max(capacities) >= 2.0  # pre-warmed by the simulator actuator from 1 node
     # DNS steering through a real BIND9: what `dig -b 127.0.0.2` (the eu view) is told
-    eu = [line for line in out.splitlines() if "dig -b 127.0.0.2" in line]
+    before_operator = out.split("== 5.", 1)[0]
+    eu = [line for line in before_operator.splitlines() if "dig -b 127.0.0.2" in line]
     both = "A 192.0.2.11 (eu-west), 192.0.2.12 (eu-north)"
     assert both in eu[0]  # steady: both eu regions, equal SRV weights
     assert "SRV eu-north 10 50, eu-west 10 50" in eu[0]
@@ -37,3 +38,16 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     assert ramp[-1] == 50 and ramp == sorted(ramp)  # ... to its equal share
     us = [line for line in out.splitlines() if "dig -b 127.0.0.1" in line]
     assert all("A 198.51.100.13 (us-east)" in line for line in us)  # the us view: us-east
+    # step 5: an operator with meridianctl against the admin API
+    step5 = out.split("== 5.", 1)[1]
+    assert "[viewer] $ meridianctl status" in step5
+    assert re.search(r"eu-west +healthy +0 ", step5)  # the status table
+    assert "(dry run: nothing changed)" in step5
+    assert "failover eu-west: did change" in step5
+    refused = step5.split('failback eu-west --reason "a viewer tries"', 1)[1]
+    assert "needs role operator" in refused.split("(exit", 1)[0] and "(exit 5)" in refused
+    assert "failback eu-west: did change" in step5
+    assert re.search(r"event state +eu-west +recovering -> healthy", step5)  # ramped back
+    audit = step5.split("meridianctl audit", 1)[1]
+    assert re.search(r"demo-operator +failover +eu-west +applied", audit)
+    assert re.search(r"demo-operator +failback +eu-west +applied", audit)
