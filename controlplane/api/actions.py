@@ -462,10 +462,15 @@ async def set_policies(leader: Leader, req: Request, update: PoliciesUpdate) -> 
         )
         reply = Reply(status=200, body=out.model_dump(mode="json"))
         changed = {k: v for k, v in values.model_dump().items() if v != view.values.model_dump()[k]}
+        verb = "would set " if req.dry_run else "set "
         audit = _audit(
-            leader, req, fence, result="applied", status=200, entry_id=audit_id,
-            detail="set " + (json.dumps(changed, sort_keys=True) if changed else "nothing new"),
+            leader, req, fence, result="dry-run" if req.dry_run else "applied", status=200,
+            entry_id=audit_id,
+            detail=verb + (json.dumps(changed, sort_keys=True) if changed else "nothing new"),
         )  # fmt: skip
+        if req.dry_run:  # answer the values it would store; store nothing but the audit
+            await leader.store.commit(audit, fence=fence)
+            return reply
         puts = {api_keys.POLICIES: stored.model_dump_json().encode(), **audit}
         puts.update(_record(leader, req, reply))
         await leader.store.commit(puts, fence=fence)

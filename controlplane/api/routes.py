@@ -19,7 +19,7 @@ POST /v1/regions/{region}/failover         operator   move its traffic to a comp
 POST /v1/regions/{region}/failback         operator   end a manual failover (it ramps up)
 =========================================  =========  ==============================================
 
-Every POST takes ``?dry_run=true`` (answer the plan, change nothing) and an optional
+Every POST and the PUT take ``?dry_run=true`` (answer the plan, change nothing) and an optional
 ``Idempotency-Key`` header; every write needs a ``reason``.
 """
 
@@ -385,7 +385,7 @@ ROUTES: tuple[Route, ...] = (
           response=PoliciesView, errors=(401, 403, 503),
           summary="the failover policy in force"),
     Route(method="PUT", path="/v1/policies", handler=put_policies, role="admin",
-          response=PoliciesView, body=PoliciesUpdate, write=True,
+          response=PoliciesView, body=PoliciesUpdate, write=True, params=(_DRY_RUN,),
           errors=(400, 401, 403, 422, 503), example='{"reason": "why", "strikes": 4}',
           summary="change the failover policy; the leader applies it from the next window"),
     _post("drain", "drain a region: its traffic moves to its backup", ActionRequest),

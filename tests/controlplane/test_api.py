@@ -364,3 +364,22 @@ async def test_tls_from_the_configured_certificate_and_key(stack: Stack, tmp_pat
         plain = url.replace("https://", "http://")
         with pytest.raises(httpx.HTTPError):
             await c.get(plain + "/v1/health")
+
+
+async def test_policies_dry_run_answers_the_values_and_stores_nothing(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    r = await client.put(
+        "/v1/policies?dry_run=true",
+        json={"reason": "what if", "strikes": 5},
+        headers=AUTH["admin"],
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["values"]["strikes"] == 5
+    assert await stack.store.get(api_keys.POLICIES) is None  # nothing stored
+    current = await client.get("/v1/policies", headers=AUTH["viewer"])
+    assert current.json()["source"] == "settings" and current.json()["values"]["strikes"] == 3
+    audit = await _audit(stack)
+    assert [(a["action"], a["result"], a["dry_run"]) for a in audit] == [
+        ("policies", "dry-run", True)
+    ]
