@@ -269,7 +269,8 @@ class Steering:
                 )
                 for name, v in plan.views.items()
             }
-            sent = any((counts or {}).values())
+            # a dry run sends nothing: the same difference every pass is not news to record
+            sent = self.backend != "dry-run" and any((counts or {}).values())
             changed = old is None or old.fingerprint != plan.fingerprint or old.error is not None
             value = DnsApplied(
                 backend=self.backend,

@@ -241,9 +241,14 @@ async def test_dry_run_logs_the_difference_and_sends_nothing(
     assert any(f"replace {API} 30 A {EU_ADDRESS}" in line for line in lines)
     assert any("view=default" in line and US_ADDRESS in line for line in lines)
     caplog.clear()
+    first = await store.get(keys.DNS_APPLIED)
+    clock.t += 1.0
     await steer.reconcile_once()  # the same difference is not printed again
     assert not [r for r in caplog.records if "dry-run" in r.getMessage()]
     assert steer.updates == 0
+    again = await store.get(keys.DNS_APPLIED)  # nor is dns/applied rewritten every pass
+    assert first is not None and again is not None
+    assert again.mod_revision == first.mod_revision
 
 
 async def test_records_written_out_of_band_are_put_back(store: Store, bind: BindServer) -> None:
