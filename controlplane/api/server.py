@@ -347,7 +347,8 @@ async def _forward(api: AdminApi, request: web.Request, raw: bytes) -> web.Strea
         raise Unavailable(
             f"could not reach the leader {leader} at {endpoint.url}: {type(exc).__name__}; "
             "the action may or may not have been applied",
-            fix="retry with the same Idempotency-Key (meridianctl does): it is applied once",
+            fix="retry with the same Idempotency-Key (it is applied once), or check "
+            "`meridianctl audit` before running the command again",
         ) from exc
 
 
