@@ -62,6 +62,12 @@ def load(
         timeout_s = float(str(timeout))
     except ValueError as exc:
         raise CtlError(f"timeout_s {timeout!r} is not a number", code=Exit.USAGE) from exc
+    if not timeout_s > 0:  # also refuses nan
+        raise CtlError(
+            f"timeout_s {timeout!r} (MERIDIAN_TIMEOUT_S or the config file) must be a number of "
+            "seconds above 0",
+            code=Exit.USAGE,
+        )
     return Config(
         url=(url or env.get("MERIDIAN_URL") or str(data.get("url") or DEFAULT_URL)).rstrip("/"),
         token=token or env.get("MERIDIAN_TOKEN") or (str(file_token) if file_token else None),

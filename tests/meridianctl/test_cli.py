@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from controlplane.api.settings import TokenEntry
+from meridianctl import config as ctl_config
 from meridianctl.cli import cli
+from meridianctl.errors import CtlError, Exit
 from tests.meridianctl.conftest import Ctl
 from tests.meridianctl.stack import REGIONS, Stack, token_settings
 from tests.support import EtcdServer, free_port
@@ -250,3 +253,10 @@ def test_a_bad_token_hash_stops_the_controller_naming_the_field(tmp_path: Path) 
     )  # fmt: skip
     assert done.returncode == 2
     assert "api.tokens.0.sha256" in done.stderr and "64 hex digits" in done.stderr
+
+
+def test_a_timeout_that_is_not_positive_is_a_usage_error() -> None:
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(CtlError, match="MERIDIAN_TIMEOUT_S") as caught:
+            ctl_config.load(env={"MERIDIAN_TIMEOUT_S": bad})
+        assert caught.value.code == Exit.USAGE
