@@ -105,7 +105,7 @@ class Client:
         if rcode == dns.rcode.NXDOMAIN:
             return None
         if rcode != dns.rcode.NOERROR:
-            raise _refusal(view, f"query {name} {rdtype}", rcode)
+            raise _refusal(view, f"query {name} {rdtype}", rcode, zone=self.settings.zone_of(view))
         rrset = response.get_rrset(
             response.answer, dns.name.from_text(name), dns.rdataclass.IN,
             dns.rdatatype.from_text(rdtype),
@@ -151,8 +151,17 @@ class Client:
             raise _refusal(view, "update", rcode, signed=key is not None)
 
 
-def _refusal(view: str, what: str, rcode: dns.rcode.Rcode, *, signed: bool = True) -> DnsError:
+def _refusal(
+    view: str, what: str, rcode: dns.rcode.Rcode, *, signed: bool = True, zone: str | None = None
+) -> DnsError:
+    """``zone``: a read of that zone was refused (else an update was)."""
     text = dns.rcode.to_text(rcode)
+    if zone is not None and rcode in (dns.rcode.REFUSED, dns.rcode.NOTAUTH):
+        return DnsRefused(
+            view, f"{what} {text} by the server: the view this key (or source address) selects "
+            f"does not serve zone {zone}; check the view's zone and its match-clients "
+            "(`meridian-controller dns bind-config` prints what the server needs)",
+        )  # fmt: skip
     if rcode == dns.rcode.REFUSED:
         hint = (
             "the update-policy does not grant this key"

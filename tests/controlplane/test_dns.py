@@ -273,3 +273,21 @@ async def test_records_written_out_of_band_are_put_back(store: Store, bind: Bind
     # old.api is not an SRV target: only the names served and the SRV's targets are read,
     # so a name made by hand below the service stays
     assert await answer(bind, EU, "old.api.meridian.test.", "A") == {"203.0.113.8"}
+
+
+async def test_a_zone_the_view_does_not_serve_is_said_clearly(
+    store: Store, bind: BindServer
+) -> None:
+    clock = Clock()
+    views = [
+        {**view_settings(bind.view("geo-a"), "eu"), "zone": "not-served.test."},
+        view_settings(bind.view("default"), "us"),
+    ]
+    settings = _settings(bind, views=views)
+    steer = _steering(settings, store, clock)
+    await _window(store, clock, settings, up=["eu-west", "us-east"])
+    with pytest.raises(DnsRefused) as refused:
+        await steer.reconcile_once()
+    text = str(refused.value)
+    assert "geo-a" in text and "not-served.test." in text
+    assert "update-policy" not in text  # a read was refused, not an update
