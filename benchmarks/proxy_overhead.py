@@ -35,6 +35,7 @@ import asyncio
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -341,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in routers:
         if r not in ROUTERS:
             raise SystemExit(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     cpus = sorted(os.sched_getaffinity(0))
     pinned = not args.no_pin and len(cpus) >= 2
     proxy_cpu = cpus[1] if pinned else None

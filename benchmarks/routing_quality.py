@@ -38,6 +38,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -183,7 +184,15 @@ _COUNTERS = {
 }
 
 
+_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds_bucket": "ttft",
+    "vllm:e2e_request_latency_seconds_bucket": "e2e",
+}
+
+
 async def node_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The node's counters and gauges, and its TTFT and e2e histogram buckets
+    (``ttft_le_<bound>``: requests at or under ``bound`` seconds of simulated time)."""
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
     out = dict.fromkeys(_COUNTERS.values(), 0.0)
@@ -192,6 +201,12 @@ async def node_counters(session: aiohttp.ClientSession, url: str) -> dict[str, f
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        hist = _HISTOGRAMS.get(name)
+        if hist:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bucket = f"{hist}_le_{le}"
+            out[bucket] = out.get(bucket, 0.0) + float(line.rsplit(" ", 1)[1])
+            continue
         key = _COUNTERS.get(name) or {
             "vllm:num_requests_running": "running",
             "vllm:num_requests_waiting": "waiting",
@@ -199,6 +214,27 @@ async def node_counters(session: aiohttp.ClientSession, url: str) -> dict[str, f
         if key:
             out[key] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def histogram_quantile(buckets: dict[str, float], prefix: str, q: float) -> float:
+    """Prometheus' histogram_quantile over cumulative ``<prefix>_le_<bound>`` counts: linear
+    inside the bucket the quantile falls in; the last finite bound if it falls in +Inf."""
+    pts = sorted(
+        (float(k.rsplit("_", 1)[1]), v) for k, v in buckets.items() if k.startswith(prefix + "_le_")
+    )
+    if not pts or pts[-1][1] <= 0:
+        return float("nan")
+    rank = q * pts[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in pts:
+        if count >= rank:
+            if bound == float("inf"):
+                return prev_bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return pts[-1][0]
 
 
 async def settle_nodes(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
@@ -378,7 +414,8 @@ def summarize(
 ) -> dict[str, Any]:
     ok = [o for o in res.outcomes if o.ok]
     pct = offline.percentile
-    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    delta = [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
+    fleet = {k: sum(d.get(k, 0.0) for d in delta) for k in delta[0]}
     queries = sum(d["queries"] for d in delta)
     hits = sum(d["hits"] for d in delta)
     gen = sum(d["generation_tokens"] for d in delta)
@@ -398,6 +435,11 @@ def summarize(
         "e2e_p50_s": pct(e2e, 0.5),
         "e2e_p99_s": pct(e2e, 0.99),
         "ttft_p99_gpu_s": pct(ttft, 0.99) * time_scale,
+        # the nodes' own histograms, in simulated (H100) seconds: not inflated when this host
+        # is too slow to keep the time scale, but blind to time spent in the router
+        "node_ttft_p50_s": histogram_quantile(fleet, "ttft", 0.5),
+        "node_ttft_p99_s": histogram_quantile(fleet, "ttft", 0.99),
+        "node_e2e_p99_s": histogram_quantile(fleet, "e2e", 0.99),
         "throughput_req_s": len(ok) / res.wall_s,
         "throughput_output_tok_s": gen / res.wall_s,
         "output_tokens_client": sum(o.output_tokens for o in ok),
@@ -472,9 +514,14 @@ async def run_all(
                         loadavg_1m=os.getloadavg()[0],
                     )
                     rows.append(row)
+                    args.out_dir.mkdir(parents=True, exist_ok=True)
+                    with (args.out_dir / "routing_quality.partial.jsonl").open("a") as f:
+                        f.write(json.dumps(row) + "\n")  # kept if the run is cut short
                     log(
                         f"  ok {row['ok']}/{row['requests']}, TTFT p50 "
-                        f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, e2e p99 "
+                        f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s (nodes, H100 "
+                        f"time: {row['node_ttft_p50_s']:.3f} / {row['node_ttft_p99_s']:.3f} s), "
+                        "e2e p99 "
                         f"{row['e2e_p99_s']:.2f} s, hit {row['prefix_hit_rate']:.1%}, "
                         f"{row['throughput_output_tok_s']:.0f} tok/s, per node "
                         f"{row['finished_per_node']}, router {row['router_cpu_cores']:.2f} cores,"
@@ -502,16 +549,19 @@ def table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         f"reuse bound (one node, infinite cache) {meta['reuse_bound']:.1%}. "
         "Latencies in wall seconds.",
         "",
-        "| load | router | policy | ok | TTFT p50 (s) | TTFT p99 (s) | e2e p99 (s) | output tok/s "
+        "| load | router | policy | ok | TTFT p50 (s) | TTFT p99 (s) | e2e p99 (s) "
+        "| node TTFT p50 (H100 s) | node TTFT p99 (H100 s) | node e2e p99 (H100 s) | output tok/s "
         "| hit rate | finished per node | router cores | loadgen cores | send lag p99 (ms) "
         "| other load (cores) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["load"], r["ttft_p99_s"])):
         lines.append(
             f"| {r['load']:.0%} | {r['router']} | {r['policy']} | {r['ok']}/{r['requests']} "
             f"| {_f(r['ttft_p50_s'], '.3f')} | {_f(r['ttft_p99_s'], '.3f')} "
-            f"| {_f(r['e2e_p99_s'], '.2f')} | {r['throughput_output_tok_s']:.0f} "
+            f"| {_f(r['e2e_p99_s'], '.2f')} | {_f(r['node_ttft_p50_s'], '.3f')} "
+            f"| {_f(r['node_ttft_p99_s'], '.3f')} | {_f(r['node_e2e_p99_s'], '.1f')} "
+            f"| {r['throughput_output_tok_s']:.0f} "
             f"| {_f(r['prefix_hit_rate'] * 100, '.1f')} % "
             f"| {' '.join(str(x) for x in r['finished_per_node'])} "
             f"| {r['router_cpu_cores']:.2f} | {r['loadgen_cpu_cores']:.2f} "
@@ -532,16 +582,20 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str, bound: float
         return False
     keys = sorted({(r["router"], r["policy"]) for r in rows})
     loads = sorted({r["load"] for r in rows})
-    fig, (ax1, ax2) = plt.subplots(
-        1, 2, figsize=(12, 0.9 + 0.32 * len(keys) if len(loads) == 1 else 4.5)
+    fig, (ax1, ax3, ax2) = plt.subplots(
+        1, 3, figsize=(15, 0.9 + 0.32 * len(keys) if len(loads) == 1 else 4.5)
     )
     if len(loads) == 1:
         by = {(r["router"], r["policy"]): r for r in rows}
         labels = [f"{k[0]} {k[1]}" for k in keys]
         colors = ["tab:blue" if k[0] == "meridian" else "tab:gray" for k in keys]
         ax1.barh(labels, [by[k]["ttft_p99_s"] for k in keys], color=colors)
-        ax1.set_xlabel(f"TTFT p99 (wall s) at {loads[0]:.0%} load")
+        ax1.set_xlabel(f"client TTFT p99 (wall s) at {loads[0]:.0%} load")
         ax1.invert_yaxis()
+        ax3.barh(labels, [by[k]["node_ttft_p99_s"] for k in keys], color=colors)
+        ax3.set_xlabel("nodes' TTFT p99 (H100 s)")
+        ax3.invert_yaxis()
+        ax3.set_yticklabels([])
         ax2.barh(labels, [by[k]["prefix_hit_rate"] * 100 for k in keys], color=colors)
         ax2.axvline(bound * 100, linestyle="--", color="black", label="reuse bound")
         ax2.set_xlabel("prefix-cache hit rate (%)")
@@ -557,11 +611,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str, bound: float
             style = "-o" if key[0] == "meridian" else "--s"
             label = f"{key[0]} {key[1]}"
             ax1.plot(xs, [r["ttft_p99_s"] for r in pts], style, label=label)
+            ax3.plot(xs, [r["node_ttft_p99_s"] for r in pts], style, label=label)
             ax2.plot(xs, [r["prefix_hit_rate"] * 100 for r in pts], style, label=label)
         ax2.axhline(bound * 100, linestyle=":", color="black", label="reuse bound")
         ax1.set_xlabel("load (% of fleet capacity)")
-        ax1.set_ylabel("TTFT p99 (wall s)")
+        ax1.set_ylabel("client TTFT p99 (wall s)")
         ax1.set_yscale("log")
+        ax3.set_xlabel("load (% of fleet capacity)")
+        ax3.set_ylabel("nodes' TTFT p99 (H100 s)")
+        ax3.set_yscale("log")
         ax2.set_xlabel("load (% of fleet capacity)")
         ax2.set_ylabel("prefix-cache hit rate (%)")
         ax2.legend(fontsize=7, loc="best")
@@ -630,8 +688,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}; pass --trace PATH")
 
+    # SIGTERM ends the run like Ctrl-C does, so the children are stopped in `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     prof = profile.load(args.profile)
     args.model = prof.model
+    (args.out_dir / "routing_quality.partial.jsonl").unlink(missing_ok=True)
     started = time.perf_counter()
     load_start = os.getloadavg()
     log(f"load average at start {load_start}; reading {args.trace}")

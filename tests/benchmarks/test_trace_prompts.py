@@ -92,3 +92,14 @@ def test_read_rows_skips_and_limits(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = tp.read_rows(path, skip=1, limit=1)
     assert [(r.timestamp_s, r.input_length, r.hash_ids) for r in got] == [(1.5, 100, (0,))]
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    import routing_quality
+
+    buckets = {"t_le_1.0": 50.0, "t_le_2.0": 100.0, "t_le_+Inf": 100.0, "u_le_1.0": 3.0}
+    assert routing_quality.histogram_quantile(buckets, "t", 0.5) == 1.0
+    assert routing_quality.histogram_quantile(buckets, "t", 0.75) == 1.5
+    assert routing_quality.histogram_quantile({"t_le_+Inf": 0.0}, "t", 0.5) != 0.0  # nan
+    tail = {"t_le_1.0": 1.0, "t_le_+Inf": 2.0}
+    assert routing_quality.histogram_quantile(tail, "t", 0.99) == 1.0
