@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import ssl
+import sys
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,7 +17,20 @@ from meridianctl.errors import CtlError, Exit, for_status
 
 
 class Client:
-    def __init__(self, config: Config) -> None:
+    """Sends a request; after a network error or a 503 (no leader, a leader handover, etcd
+    unavailable) it sends the very same request again, with the same ``Idempotency-Key`` for a
+    write (the controller applies it once), backing off exponentially until ``retry_s`` has
+    passed, and notes each retry on standard error."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
         verify: ssl.SSLContext | bool = True
         if config.ca_file:
             verify = ssl.create_default_context(cafile=config.ca_file)
@@ -21,6 +38,11 @@ class Client:
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"
         self.url = config.url
+        self.retry_s = config.retry_s
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._note = note or _stderr
         self._http = httpx.Client(
             base_url=config.url, headers=headers, timeout=config.timeout_s, verify=verify
         )
@@ -35,7 +57,7 @@ class Client:
         return self._send("GET", path).text
 
     def post(self, path: str, body: dict[str, Any], *, dry_run: bool = False) -> Any:
-        # one key per command: a retry after a lost answer is applied once
+        # one key per command, kept across its retries: the controller applies it once
         headers = {"Idempotency-Key": str(uuid.uuid4())}
         params = {"dry_run": "true"} if dry_run else None
         return self._send("POST", path, json=body, params=params, headers=headers).json()
@@ -45,23 +67,57 @@ class Client:
         return self._send("PUT", path, json=body, headers=headers).json()
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        tries = 3 if method == "GET" or "headers" in kwargs else 1
-        for attempt in range(tries):
+        # only a write with an Idempotency-Key may be sent twice (reads are safe)
+        retry = method == "GET" or "Idempotency-Key" in kwargs.get("headers", {})
+        deadline = self._clock() + self.retry_s
+        delay_s = FIRST_DELAY_S
+        attempt = 1
+        while True:
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                if attempt + 1 < tries:
-                    continue
-                raise CtlError(
-                    f"cannot reach the admin API at {self.url}: {_why(exc)}",
-                    code=Exit.UNREACHABLE,
-                    fix="check MERIDIAN_URL (or --url), the network, and MERIDIAN_CA_FILE for "
-                    "HTTPS",
-                ) from exc
-            if response.status_code < 400:
-                return response
-            raise _problem(response)
-        raise AssertionError("unreachable")
+                why = _why(exc)
+                if not retry or _TRUST in why or not self._wait(why, attempt, delay_s, deadline):
+                    raise CtlError(
+                        f"cannot reach the admin API at {self.url}: {why}",
+                        code=Exit.UNREACHABLE,
+                        fix="check MERIDIAN_URL (or --url), the network, and MERIDIAN_CA_FILE "
+                        "for HTTPS",
+                    ) from exc
+            else:
+                if response.status_code < 400:
+                    return response
+                problem = _problem(response)
+                if (
+                    not retry
+                    or response.status_code != 503
+                    or not self._wait(problem.message, attempt, delay_s, deadline)
+                ):
+                    raise problem
+            attempt += 1
+            delay_s = min(delay_s * 2, MAX_DELAY_S)
+
+    def _wait(self, why: str, attempt: int, delay_s: float, deadline: float) -> bool:
+        """Sleep before the next try and say so; False when the deadline leaves no time."""
+        delay_s *= 0.5 + self._rng.random() / 2  # jitter: replicas' clients do not align
+        left_s = deadline - self._clock()
+        if left_s <= delay_s:
+            return False
+        self._note(
+            f"meridianctl: {why.splitlines()[0]}; retrying in {delay_s:.1f} s "
+            f"(try {attempt + 1}, giving up in {left_s:.0f} s; MERIDIAN_RETRY_S)"
+        )
+        self._sleep(delay_s)
+        return True
+
+
+FIRST_DELAY_S = 0.25
+MAX_DELAY_S = 2.0
+_TRUST = "TLS certificate is not trusted"  # not transient: retrying cannot help
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _why(exc: httpx.TransportError) -> str:

@@ -1,20 +1,22 @@
 """Where meridianctl finds the admin API and its token.
 
 Precedence: command-line options > environment (``MERIDIAN_URL``, ``MERIDIAN_TOKEN``,
-``MERIDIAN_CA_FILE``, ``MERIDIAN_TIMEOUT_S``) > the config file (``--config``, else
-``MERIDIANCTL_CONFIG``, else ``~/.config/meridian/meridianctl.toml`` when it exists) >
-defaults (``http://127.0.0.1:8091``).
+``MERIDIAN_CA_FILE``, ``MERIDIAN_TIMEOUT_S``, ``MERIDIAN_RETRY_S``) > the config file
+(``--config``, else ``MERIDIANCTL_CONFIG``, else ``~/.config/meridian/meridianctl.toml``
+when it exists) > defaults (``http://127.0.0.1:8091``).
 
 .. code-block:: toml
 
     url = "https://controller.example:8091"
     token_file = "~/.config/meridian/token"    # or: token = "..."
     ca_file = "/etc/meridian/admin.crt"
-    timeout_s = 10
+    timeout_s = 10      # one HTTP request
+    retry_s = 15        # keep retrying a network error or a 503 this long (0: never retry)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -25,6 +27,8 @@ from meridianctl.errors import CtlError, Exit
 
 DEFAULT_URL = "http://127.0.0.1:8091"
 DEFAULT_FILE = Path("~/.config/meridian/meridianctl.toml")
+# a leader handover lasts up to the election's lease TTL (a few seconds): outlast it
+DEFAULT_RETRY_S = 15.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +37,7 @@ class Config:
     token: str | None = None
     ca_file: str | None = None
     timeout_s: float = 10.0
+    retry_s: float = DEFAULT_RETRY_S
 
 
 def load(
@@ -68,12 +73,29 @@ def load(
             "seconds above 0",
             code=Exit.USAGE,
         )
+    retry = env.get("MERIDIAN_RETRY_S") or data.get("retry_s")
+    retry_s = DEFAULT_RETRY_S if retry is None else _retry_s(retry)
     return Config(
         url=(url or env.get("MERIDIAN_URL") or str(data.get("url") or DEFAULT_URL)).rstrip("/"),
         token=token or env.get("MERIDIAN_TOKEN") or (str(file_token) if file_token else None),
         ca_file=env.get("MERIDIAN_CA_FILE") or _opt(data.get("ca_file")),
         timeout_s=timeout_s,
+        retry_s=retry_s,
     )
+
+
+def _retry_s(value: object) -> float:
+    try:
+        retry_s = float(str(value))
+    except ValueError:
+        retry_s = math.nan
+    if not (math.isfinite(retry_s) and retry_s >= 0):
+        raise CtlError(
+            f"retry_s {value!r} (MERIDIAN_RETRY_S or the config file) must be a number of "
+            "seconds, 0 or more (0: never retry)",
+            code=Exit.USAGE,
+        )
+    return retry_s
 
 
 def _opt(value: object) -> str | None:

@@ -104,7 +104,8 @@ async def test_exit_codes(stack: Stack, ctl: Ctl) -> None:
 
 
 async def test_unreachable_api_exits_3(ctl: Ctl) -> None:
-    env = {**os.environ, "MERIDIAN_URL": f"http://127.0.0.1:{free_port()}", "MERIDIAN_TOKEN": "x"}
+    env = {**os.environ, "MERIDIAN_URL": f"http://127.0.0.1:{free_port()}", "MERIDIAN_TOKEN": "x",
+           "MERIDIAN_RETRY_S": "0.5"}  # fmt: skip
     done = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "meridianctl", "status"], env=env,
         capture_output=True, text=True, timeout=60,
@@ -230,7 +231,7 @@ async def test_etcd_down_every_command_exits_8_and_nothing_changes(
         await stack.controller("ctl-a")
         await stack.leader()
         env = {"MERIDIAN_URL": stack.url("ctl-a"), "MERIDIAN_TOKEN": "operator-secret-token",
-               "MERIDIANCTL_CONFIG": None}  # fmt: skip
+               "MERIDIANCTL_CONFIG": None, "MERIDIAN_RETRY_S": "1"}  # fmt: skip
         runner = CliRunner()
         fresh_etcd.process.kill()
         for args in (["status"], ["failover", "--from", "eu-west", "--reason", "x", "--yes"]):
@@ -239,6 +240,29 @@ async def test_etcd_down_every_command_exits_8_and_nothing_changes(
             assert "etcd unavailable" in ran.stderr and "what to do" in ran.stderr
         health = await asyncio.to_thread(runner.invoke, cli, ["health"], env=env)
         assert health.exit_code == 0 and "etcd" in health.stdout
+    finally:
+        await stack.close()
+
+
+async def test_a_drain_during_a_leader_handover_is_retried_and_applied_once(
+    etcd: EtcdServer,
+) -> None:
+    """A leader that died holds the leader key until its lease expires: meanwhile the replica
+    answers 503, and meridianctl retries (same key) until the new leader applies it."""
+    stack = Stack(etcd.url)
+    stack.start_agents()
+    dead = await stack.store.grant(3)
+    await stack.store.claim(keys.LEADER, b"ctl-dead", dead)
+    try:
+        await stack.controller("ctl-b")
+        env = {"MERIDIAN_URL": stack.url("ctl-b"), "MERIDIAN_TOKEN": "operator-secret-token",
+               "MERIDIANCTL_CONFIG": None, "MERIDIAN_RETRY_S": "20"}  # fmt: skip
+        args = ["drain", "eu-west", "--reason", "handover", "--yes"]
+        ran = await asyncio.to_thread(CliRunner().invoke, cli, args, env=env)
+        assert ran.exit_code == 0, (ran.stdout, ran.stderr)
+        assert "retrying in" in ran.stderr and "ctl-dead" in ran.stderr
+        audit = [e for e in await stack.store.get_prefix(keys.AUDIT) if b'"drain"' in e.value]
+        assert len(audit) == 1 and b'"applied"' in audit[0].value
     finally:
         await stack.close()
 
