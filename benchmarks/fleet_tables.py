@@ -48,6 +48,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a minutes-long subset")
     p.add_argument("--sizes", default=None, help="GPUs, a list (default 16,64,256)")
     p.add_argument("--loads", default=None, help="load fractions (default 0.5,0.8,0.95)")
+    p.add_argument(
+        "--largest-loads", default=None, help="loads at the largest size only (default: --loads)"
+    )
     p.add_argument("--stale-scrape-s", type=float, default=1.0, help="the stale case's interval")
     p.add_argument("--claim-scrapes", default=None, help="claim check intervals, s")
     p.add_argument("--window-s", type=float, default=None, help="virtual seconds of arrivals")
@@ -68,10 +71,11 @@ def main() -> int:
     claim_window_s = args.claim_window_s or (window_s if q else 30.0)
     stale = args.stale_scrape_s
 
+    largest_loads = _floats(args.largest_loads) if args.largest_loads else loads
     tasks = [
         Task("grid", pol, n, load, scrape, window_s, min_requests)
         for n in sizes
-        for load in loads
+        for load in (largest_loads if n == max(sizes) else loads)
         for scrape in (0.0, stale)
         for pol in POLICIES
     ]

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import service
+from policies import routing
 from simulator import fleet, node, profile, workloads
 
 log = logging.getLogger("meridian.sim")
@@ -136,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="one node's capacity in requests/s (default: measured on the trace's mix)",
     )
     f.add_argument("--slots", type=_positive_int, default=64, help="agent slots per node")
+    f.add_argument(
+        "--prefix-capacity-blocks",
+        type=_positive_int,
+        help="the agent's prefix index size, blocks (default RoutingConfig's, 200000)",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed for routing and scrape phases")
     f.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -178,6 +184,11 @@ def _fleet(args: argparse.Namespace) -> int:
             stale_after_s=args.stale_after_s,
             slots_per_node=args.slots,
             seed=args.seed,
+            routing=(
+                routing.RoutingConfig()
+                if args.prefix_capacity_blocks is None
+                else routing.RoutingConfig(prefix_capacity_blocks=args.prefix_capacity_blocks)
+            ),
         )
         progress = None if args.quiet else sys.stderr
         if progress is not None and args.capacity_rps is None:
