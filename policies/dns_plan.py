@@ -6,7 +6,8 @@ preference list (its own regions, then their backups)::
 
     dns = dns_plan.plan(views, fleet=fleet, names=names, ttl_s=30, window=w, previous=gen)
     for view in dns.views.values():
-        changes = dns_plan.diff(view.records, what_the_server_serves, names=names, zone=view.zone)
+        changes = dns_plan.diff(view.records, what_the_server_serves, names=names,
+                                zone=view.zone, targets=view.targets)
 
 Per view (one per geography), under its zone, with ``names`` relative to the zone:
 
@@ -22,7 +23,11 @@ Per view (one per geography), under its zone, with ``names`` relative to the zon
     falls back through the priorities by itself.
 ``<region>.<service>`` A / AAAA
     each SRV target's addresses; a region whose endpoints are host names is targeted by name
-    and gets no address records of ours.
+    and gets no address records of ours.  These target names (``ViewPlan.targets``: one per
+    region the controller knows, less any name a region's endpoint uses as its host name) are
+    the only names below the service whose addresses the controller writes or deletes; a
+    host-name endpoint, even one inside that space (``eu-west.api.<zone>``), is the
+    operator's: referenced by SRV only, never touched.
 ``<txt>`` TXT
     ``"generation=<n>" "geo=<g>"``: the plan generation a resolver is seeing.
 
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import urlsplit
@@ -119,6 +124,8 @@ class ViewPlan:
     records: tuple[RecordSet, ...]  # sorted by (name, type)
     hold: bool = False  # leave the zone as it is (no answer to give)
     reason: str = ""
+    # the region target names whose A/AAAA are the controller's (see ``managed``)
+    targets: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,6 +228,7 @@ def plan(
             geo=draft.geo,
             records=records,
             reason=draft.reason,
+            targets=draft.targets,
         )
     return DnsPlan(generation=generation, fingerprint=fingerprint, views=out, reason=reason)
 
@@ -233,6 +241,7 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
         region: [e for e in (parse_endpoint(u) for u in urls) if e is not None]
         for region, urls in fleet.endpoints.items()
     }
+    targets = region_targets(fleet, names=names, zone=zone)
     serving = sorted(r for r in shares if endpoints.get(r))
     if not serving:
         missing = sorted(shares)
@@ -248,6 +257,7 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
             records=(),
             hold=True,
             reason=f"{why}: keeping what the server answers",
+            targets=targets,
         )
     standby: list[str] = []
     for region in fleet.preferences.get(spec.geo, ()):
@@ -275,7 +285,7 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
             else:
                 srv.add(f"{priority} {weight} {endpoint.port} {endpoint.host}")
         for family in _ADDRESS_TYPES:
-            if own[family]:
+            if own[family] and host in targets:  # never over an operator's host name
                 records.append(_rrset(host, family, ttl_s, own[family]))
     for family in _ADDRESS_TYPES:
         if addresses[family]:
@@ -290,7 +300,24 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
         geo=spec.geo,
         records=tuple(sorted(records, key=lambda r: r.key)),
         reason=reason,
+        targets=targets,
     )
+
+
+def region_targets(fleet: FleetDns, *, names: Names, zone: str) -> frozenset[str]:
+    """The names ``<region>.<service>`` of every region the controller knows, less those that
+    some region's endpoint uses as its host name: the names whose A/AAAA are ours."""
+    known: set[str] = set(fleet.endpoints) | set(fleet.states)
+    known.update(r for shares in fleet.serving.values() for r in shares)
+    known.update(r for ranked in fleet.preferences.values() for r in ranked)
+    foreign = {
+        e.host
+        for urls in fleet.endpoints.values()
+        for e in (parse_endpoint(u) for u in urls)
+        if e is not None and not e.ip
+    }
+    service = names.service
+    return frozenset(absolute(f"{r}.{service}", zone) for r in known) - foreign
 
 
 def _rrset(name: str, rdtype: RecordType, ttl_s: int, values: Iterable[str]) -> RecordSet:
@@ -309,13 +336,14 @@ def _fingerprint(views: Iterable[ViewPlan]) -> str:
 # -- what to send ------------------------------------------------------------------------------
 
 
-def managed(name: str, rdtype: str, *, names: Names, zone: str) -> bool:
-    """Whether (name, type) is the controller's to write: the service's A/AAAA and those of the
-    names one label below it (region targets), the SRV name's SRV, the TXT name's TXT."""
+def managed(name: str, rdtype: str, *, names: Names, zone: str, targets: Collection[str]) -> bool:
+    """Whether (name, type) is the controller's to write: the service's A/AAAA and those of
+    ``targets`` (the region target names it writes, ``ViewPlan.targets``), the SRV name's SRV,
+    the TXT name's TXT.  Any other name, even one below the service, is not."""
     name = name.lower()
     service = absolute(names.service, zone)
     if rdtype in ("A", "AAAA"):
-        return name == service or name.partition(".")[2] == service
+        return name == service or name in targets
     if rdtype == "SRV":
         return name == absolute(names.srv, zone)
     if rdtype == "TXT":
@@ -324,14 +352,23 @@ def managed(name: str, rdtype: str, *, names: Names, zone: str) -> bool:
 
 
 def diff(
-    desired: Iterable[RecordSet], current: Iterable[RecordSet], *, names: Names, zone: str
+    desired: Iterable[RecordSet],
+    current: Iterable[RecordSet],
+    *,
+    names: Names,
+    zone: str,
+    targets: Collection[str],
 ) -> tuple[Change, ...]:
     """The changes that make ``current`` (what the server serves) into ``desired``: a replace
     for every RRset that is missing or differs (values or TTL), a delete for every managed
     RRset that is no longer wanted.  Empty when they already agree; other records are never
     touched."""
     want = {r.key: r for r in desired}
-    have = {r.key: r for r in current if managed(r.name, r.rdtype, names=names, zone=zone)}
+    have = {
+        r.key: r
+        for r in current
+        if managed(r.name, r.rdtype, names=names, zone=zone, targets=targets)
+    }
     changes = [
         Change(op="replace", rrset=r)
         for key, r in sorted(want.items())

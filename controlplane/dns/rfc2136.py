@@ -61,9 +61,10 @@ class Client:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    async def read(self, view: str, *, hosts: Iterable[str] = ()) -> list[RecordSet]:
-        """What the server serves in ``view`` for the names the controller manages (and the
-        A/AAAA of ``hosts``, the targets the controller is about to write)."""
+    async def read(self, view: str, *, targets: Iterable[str] = ()) -> list[RecordSet]:
+        """What the server serves in ``view`` for the names the controller manages: the
+        service's A/AAAA, the SRV, the TXT and the A/AAAA of ``targets`` (the region target
+        names that are the controller's, ``ViewPlan.targets``); nothing else."""
         zone = self.settings.zone_of(view)
         service = dns_plan.absolute(self.names.service, zone)
         out: list[RecordSet] = []
@@ -76,16 +77,11 @@ class Client:
             found = await self._query(view, name, rdtype)
             if found is not None:
                 out.append(found)
-        targets = set(hosts)
-        for rrset in out:
-            if rrset.rdtype == "SRV":
-                targets.update(v.split()[-1].lower() for v in rrset.values)
-        for target in sorted(targets):
-            if dns_plan.managed(target, "A", names=self.names, zone=zone):
-                for rdtype in ("A", "AAAA"):
-                    found = await self._query(view, target, rdtype)
-                    if found is not None:
-                        out.append(found)
+        for target in sorted(set(targets)):
+            for rdtype in ("A", "AAAA"):
+                found = await self._query(view, target, rdtype)
+                if found is not None:
+                    out.append(found)
         return out
 
     async def _query(self, view: str, name: str, rdtype: str) -> RecordSet | None:

@@ -182,9 +182,11 @@ class Steering:
                 counts[name] = 0
                 continue
             records = [normalize(r) for r in wanted.records]
-            hosts = {r.name for r in records if r.rdtype in ("A", "AAAA")}
-            current = await self.client.read(name, hosts=hosts)
-            changes = dns_plan.diff(records, current, names=self.client.names, zone=wanted.zone)
+            current = await self.client.read(name, targets=wanted.targets)
+            changes = dns_plan.diff(
+                records, current, names=self.client.names, zone=wanted.zone,
+                targets=wanted.targets,
+            )  # fmt: skip
             counts[name] = len(changes)
             self._held.pop(name, None)
             if not changes:

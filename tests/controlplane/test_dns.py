@@ -84,14 +84,19 @@ def _steering(
 
 
 async def _window(
-    store: Store, clock: Clock, settings: ControllerSettings, *, up: list[str]
+    store: Store,
+    clock: Clock,
+    settings: ControllerSettings,
+    *,
+    up: list[str],
+    endpoints: dict[str, str] | None = None,
 ) -> None:
     clock.t += WINDOW_S
     for region in up:
         status = RegionStatus(
             region=region,
             geo=GEO[region],
-            endpoints=[ENDPOINTS[region]],
+            endpoints=[(endpoints or ENDPOINTS)[region]],
             nodes_healthy=2,
             nodes_total=2,
             capacity=2.0,
@@ -270,9 +275,36 @@ async def test_records_written_out_of_band_are_put_back(store: Store, bind: Bind
     )  # fmt: skip
     assert await steer.reconcile_once() == 1  # one view differs
     assert await answer(bind, EU, API, "A") == {EU_ADDRESS}
-    # old.api is not an SRV target: only the names served and the SRV's targets are read,
-    # so a name made by hand below the service stays
+    # old.api is no region's target: only the names served and the regions' targets are
+    # read, so a name made by hand below the service stays
     assert await answer(bind, EU, "old.api.meridian.test.", "A") == {"203.0.113.8"}
+
+
+async def test_a_host_name_endpoint_below_the_service_is_the_operators_and_never_touched(
+    store: Store, bind: BindServer
+) -> None:
+    clock = Clock()
+    settings = _settings(bind)
+    steer = _steering(settings, store, clock)
+    host = "eu-west.api.meridian.test."
+    endpoints = {**ENDPOINTS, "eu-west": "https://eu-west.api.meridian.test"}
+    # the operator names eu-west's endpoint inside the service's space, with its own address
+    client = rfc2136.Client(settings.dns)
+    await client.update(
+        "geo-a",
+        [Change(op="replace", rrset=RecordSet(name=host, rdtype="A", ttl_s=300,
+                                              values=("203.0.113.7",)))],
+    )  # fmt: skip
+    for _ in range(3):  # every pass
+        await _window(store, clock, settings, up=["eu-west", "us-east"], endpoints=endpoints)
+        await steer.reconcile_once()
+        assert await answer(bind, EU, host, "A") == {"203.0.113.7"}
+    assert await answer(bind, EU, SRV, "SRV") == {
+        f"10 100 443 {host}",  # referenced by SRV only
+        "20 0 8443 us-east.api.meridian.test.",
+    }
+    assert await answer(bind, EU, "us-east.api.meridian.test.", "A") == {US_ADDRESS}
+    assert await steer.reconcile_once() == 0  # and nothing left to change
 
 
 async def test_a_zone_the_view_does_not_serve_is_said_clearly(

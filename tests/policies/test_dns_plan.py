@@ -123,11 +123,33 @@ def test_diff_touches_only_managed_records() -> None:
         RecordSet(name="www.meridian.test.", rdtype="A", ttl_s=30, values=("192.0.2.7",)),
         RecordSet(name=API, rdtype="TXT", ttl_s=30, values=('"x"',)),
     ]
-    changes = dns_plan.diff(want, have, names=NAMES, zone=ZONE)
+    targets = {"eu-old.api.meridian.test."}
+    changes = dns_plan.diff(want, have, names=NAMES, zone=ZONE, targets=targets)
     assert [(c.op, c.rrset.name, c.rrset.rdtype) for c in changes] == [
         ("replace", API, "A"),
         ("delete", "eu-old.api.meridian.test.", "A"),
     ]
+
+
+def test_a_host_name_endpoint_below_the_service_is_never_managed() -> None:
+    host = "eu-west.api.meridian.test."
+    fleet = FleetDns(
+        serving={"eu": {"eu-west": 1.0}, "us": {"us-east": 1.0}},
+        endpoints={"eu-west": [f"https://{host}"], "us-east": ["https://192.0.2.30"]},
+        preferences={"eu": ["eu-west", "us-east"], "us": ["us-east", "eu-west"]},
+    )
+    plan = dns_plan.plan(VIEWS, fleet=fleet, names=NAMES, window=1)
+    eu = plan.views["geo-a"]
+    assert eu.targets == {"us-east.api.meridian.test."}
+    assert f"10 100 443 {host}" in _records(eu, "SRV", SRV)
+    assert not _records(eu, "A", host)
+    operators = RecordSet(name=host, rdtype="A", ttl_s=300, values=("203.0.113.7",))
+    stray = RecordSet(name="www.api.meridian.test.", rdtype="A", ttl_s=30, values=("192.0.2.9",))
+    changes = dns_plan.diff(
+        eu.records, [*eu.records, operators, stray], names=NAMES, zone=ZONE, targets=eu.targets
+    )
+    assert changes == ()
+    assert not dns_plan.managed(host, "A", names=NAMES, zone=ZONE, targets=eu.targets)
 
 
 # -- invariants --------------------------------------------------------------------------------
@@ -188,7 +210,10 @@ def test_invariants(fleet: FleetDns, window: int, ttl: int) -> None:
         txt = _records(view, "TXT", "_meridian.api.meridian.test.")
         assert txt == {f'"generation={plan.generation}" "geo={spec.geo}"'}
         # what the plan wants, the server already serving it, needs no change
-        assert dns_plan.diff(view.records, view.records, names=NAMES, zone=ZONE) == ()
+        assert (
+            dns_plan.diff(view.records, view.records, names=NAMES, zone=ZONE, targets=view.targets)
+            == ()
+        )
     # the same inputs with the previous generation: the same plan, no new generation
     again = dns_plan.plan(
         VIEWS,
@@ -236,7 +261,8 @@ def test_applying_the_diff_gives_the_desired_records(
     want: list[RecordSet], have: list[RecordSet]
 ) -> None:
     served = {r.key: r for r in have}
-    for change in dns_plan.diff(want, have, names=NAMES, zone=ZONE):
+    targets = {"a.api.meridian.test.", "b.api.meridian.test.", "c.api.meridian.test."}
+    for change in dns_plan.diff(want, have, names=NAMES, zone=ZONE, targets=targets):
         if change.op == "delete":
             served.pop(change.rrset.key)
         else:
