@@ -10,7 +10,9 @@ Each runs on the leader, one at a time (``windows.pass_lock``, shared with the w
 4. on a dry run, answer the plan; else write the override, the new plan (health, desired,
    events) and the audit entry in one transaction fenced by the leader key.
 
-Every action, refused or not, dry run or not, leaves an audit entry (``audit/<time>-<id>``).
+Every action, refused or not, dry run or not, leaves an audit entry (``audit/<time>-<id>``);
+one that fails with a 5xx (etcd unavailable, leadership lost) leaves one with result
+``error`` when etcd still takes it (best effort: the original error is what the caller gets).
 An ``Idempotency-Key`` answers a repeated request with the first answer and does nothing again.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from controlplane.api.models import (
 from controlplane.api.problems import ApiProblem, Conflict, Invalid, NotFound, Unavailable
 from controlplane.clock import Clock
 from controlplane.election import Election
+from controlplane.errors import ControllerError
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
@@ -49,6 +53,7 @@ from wire import keys
 from wire.models import RegionOverride
 
 _EPS = 1e-9
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,8 +194,15 @@ async def _run(
         audit_id = uuid.uuid4().hex[:12]
         try:
             reply = await work(fence, audit_id)
+        except ControllerError as exc:  # etcd unavailable, leadership lost: a 503 at the edge
+            await _audit_error(leader, req, fence, status=503, detail=str(exc), entry_id=audit_id)
+            raise
         except ApiProblem as problem:
             if problem.status >= 500:
+                await _audit_error(
+                    leader, req, fence, status=problem.status, detail=problem.detail,
+                    entry_id=audit_id,
+                )  # fmt: skip
                 raise
             audit = _audit(
                 leader, req, fence, result="refused", status=problem.status,
@@ -201,6 +213,22 @@ async def _run(
             raise
     await _prune(leader, fence)
     return reply
+
+
+async def _audit_error(
+    leader: Leader, req: Request, fence: Fence, *, status: int, detail: str, entry_id: str
+) -> None:
+    """Audit an action that failed with a 5xx, if etcd takes it; never raises (the caller
+    re-raises the original error). No idempotency record: a retry with the key runs again."""
+    audit = _audit(leader, req, fence, result="error", status=status, detail=detail,
+                   entry_id=entry_id)  # fmt: skip
+    try:
+        await leader.store.commit(audit, fence=fence)
+    except ControllerError as exc:
+        log.warning(
+            "api: could not audit a failed action=%s region=%s who=%s: %s",
+            req.action, req.region, req.caller.name, exc,
+        )  # fmt: skip
 
 
 # -- region actions -----------------------------------------------------------------------------

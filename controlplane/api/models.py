@@ -193,7 +193,7 @@ class AuditEntry(_Out):
     target: str | None = None
     reason: str
     dry_run: bool = False
-    result: Literal["applied", "dry-run", "refused"]
+    result: Literal["applied", "dry-run", "refused", "error"]
     status: int
     detail: str = ""
     controller: str = ""

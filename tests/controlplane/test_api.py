@@ -18,9 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from controlplane.api import actions, routes
 from controlplane.api import keys as api_keys
-from controlplane.api import routes
+from controlplane.api.auth import Caller
+from controlplane.api.problems import Unavailable
+from controlplane.api.server import ADMIN_API
 from controlplane.app import Controller
+from controlplane.errors import StoreUnavailable
+from controlplane.store.etcd import Fence
 from tests.meridianctl.stack import TOKENS, Stack, until
 from tests.support import EtcdServer
 from wire import keys
@@ -383,3 +388,57 @@ async def test_policies_dry_run_answers_the_values_and_stores_nothing(
     assert [(a["action"], a["result"], a["dry_run"]) for a in audit] == [
         ("policies", "dry-run", True)
     ]
+
+
+def _failing_request() -> actions.Request:
+    return actions.Request(
+        caller=Caller(name="operator-user", role="operator"), action="drain", region="eu-west",
+        reason="INC-9", idempotency_key="key-1", fingerprint="f", received_by="ctl-a",
+    )  # fmt: skip
+
+
+async def test_an_action_that_fails_with_a_5xx_is_audited_as_an_error(
+    stack: Stack, leader: Controller
+) -> None:
+    app = stack.runners["ctl-a"].app
+    assert app is not None
+    api = app[ADMIN_API]
+    failures: list[Exception] = [
+        StoreUnavailable("etcd timed out during the commit"),
+        Unavailable("the plan could not be written", fix="retry"),
+    ]
+    for failure in failures:
+
+        async def work(fence: Fence, audit_id: str, failure: Exception = failure) -> actions.Reply:
+            raise failure
+
+        with pytest.raises(type(failure)) as raised:
+            await actions._run(api.leader, _failing_request(), work)
+        assert raised.value is failure  # the original error, not masked
+    audit = await _audit(stack)
+    assert [(a["result"], a["status"], a["action"], a["who"]) for a in audit] == [
+        ("error", 503, "drain", "operator-user")
+    ] * 2
+    assert "etcd timed out" in audit[0]["detail"] and "could not be written" in audit[1]["detail"]
+    # no answer is kept for the key: a retry with it runs the action
+    assert await stack.store.get_prefix(api_keys.IDEMPOTENCY) == []
+
+
+async def test_a_5xx_with_etcd_gone_is_raised_as_it_was(fresh_etcd: EtcdServer) -> None:
+    stack = Stack(fresh_etcd.url)
+    try:
+        await stack.controller("ctl-a")
+        await stack.leader()
+        app = stack.runners["ctl-a"].app
+        assert app is not None
+        failure = Unavailable("the plan could not be written", fix="retry")
+
+        async def work(fence: Fence, audit_id: str) -> actions.Reply:
+            fresh_etcd.process.kill()
+            raise failure
+
+        with pytest.raises(Unavailable) as raised:
+            await actions._run(app[ADMIN_API].leader, _failing_request(), work)
+        assert raised.value is failure
+    finally:
+        await stack.close()
