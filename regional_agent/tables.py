@@ -165,15 +165,23 @@ class GroupTables:
     def move(self, kind: Kind, bucket: int, owner: GroupId) -> None:
         """This agent moves ``bucket`` to ``owner``: the view changes now, etcd at the next
         publish."""
+        self._reassign(kind, bucket, bucket + 1, owner)
+        self.moves += 1
+
+    def restore(self, kind: Kind, r: Range) -> None:
+        """Put back a range this agent had published (it expired with a lost lease): a pending
+        move like any other, published at the next flush."""
+        self._reassign(kind, r.first, r.end, GroupId(r.owner))
+
+    def _reassign(self, kind: Kind, first: int, end: int, owner: GroupId) -> None:
         state = self._fresh(kind)
         before = state.table
-        after = before.reassign(bucket, bucket + 1, owner)
-        touched = before.keys_around(bucket, bucket + 1) | after.keys_around(bucket, bucket + 1)
+        after = before.reassign(first, end, owner)
+        touched = before.keys_around(first, end) | after.keys_around(first, end)
         state.table = after
-        state.pending.append((bucket, bucket + 1, owner))
+        state.pending.append((first, end, owner))
         state.debouncer = state.debouncer.touch(touched)
         state.since_flush |= touched
-        self.moves += 1
 
     # -- what etcd holds ---------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ Two loops, run by the publisher when ``routing.policy`` is ``groups``:
   the same stretch of buckets: the agent reads the table again, its moves are redone on the
   fresh table, and it retries.  Nothing is lost: a move stays pending until a transaction that
   carries it succeeds.
+
+  The ranges an agent published live under its lease.  When the lease is lost and a new one
+  granted, the flush loop reads the tables again and republishes, under the new lease and
+  revision-guarded as usual, each of its ranges whose key is now absent (one another agent
+  wrote since is left as it is: the newer write stands).
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class TableSync:
         self.keys_written = 0  # puts and deletes in them
         self.conflicts = 0  # transactions refused by a compare
         self.bad = 0  # values ignored
+        self.republished = 0  # own ranges put back after a lost lease
+        # the ranges this agent published, and the lease they live under (kind -> first -> ...)
+        self._mine: dict[Kind, dict[int, tuple[Range, LeaseId, int]]] = {k: {} for k in KINDS}
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -118,6 +126,9 @@ class TableSync:
         if kv.value is None:
             news = self.tables.changed(kind, first, None, kv.mod_revision)
         else:
+            mine = self._mine[kind].get(first)
+            if mine is not None and kv.mod_revision > mine[2]:
+                del self._mine[kind][first]  # another agent wrote over it: no longer ours
             r = self._parse(kv, kind, first)
             news = self.tables.changed(kind, first, r, kv.mod_revision, unusable=r is None)
         if news:
@@ -170,6 +181,14 @@ class TableSync:
     async def flush_loop(self) -> None:
         backoff = self._backoff()
         while True:
+            lease = self._lease()
+            if lease is not None and self._orphaned(lease):
+                try:
+                    await self.republish(lease)
+                except StoreError as exc:
+                    self._on_failure(exc)
+                    await asyncio.sleep(backoff.next_s())
+                    continue
             due = self.tables.due_at()
             now = self._clock.now()
             if due is None or self._lease() is None:
@@ -186,6 +205,38 @@ class TableSync:
                 continue
             self._on_answer()
             backoff.reset()
+
+    def _orphaned(self, lease: LeaseId) -> bool:
+        return any(was != lease for mine in self._mine.values() for _, was, _ in mine.values())
+
+    async def republish(self, lease: LeaseId) -> int:
+        """Our ranges under an older lease went with it: read the tables again and restore, as
+        pending moves, those whose key is now absent.  Returns how many."""
+        await self.read()
+        restored = 0
+        for kind in KINDS:
+            known = self.tables.known(kind)
+            for first, (r, was, _) in list(self._mine[kind].items()):
+                if was == lease:
+                    continue
+                del self._mine[kind][first]
+                if first in known:
+                    continue  # written since by another agent: theirs stands
+                base = self.tables.base(kind)
+                if base.reassign(r.first, r.end, r.owner) == base:
+                    continue  # the assignment already: nothing to put back
+                self.tables.restore(kind, r)
+                restored += 1
+        self.republished += restored
+        if restored:
+            log.info(
+                "group table ranges republished region=%s count=%d lease=%x: they expired "
+                "with the previous lease",
+                self._region,
+                restored,
+                lease,
+            )
+        return restored
 
     async def flush(self, *, now: float) -> int:
         """Publish whatever is due for every kind; returns the transactions committed."""
@@ -242,6 +293,11 @@ class TableSync:
         }
         revision = await self._store.commit(puts=puts, deletes=deletes, expect=expect, lease=lease)
         if revision is not None:
+            mine = self._mine[publish.kind]
+            for k in publish.diff.deletes:
+                mine.pop(k, None)
+            for r in publish.diff.puts:
+                mine[r.first] = (r, lease, revision)
             self.writes += 1
             self.keys_written += len(puts) + len(deletes)
             log.debug(

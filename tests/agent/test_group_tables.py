@@ -257,3 +257,58 @@ async def test_malformed_and_foreign_entries_are_ignored_by_the_agent(etcd: Etcd
         assert await r.sync.flush(now=time.monotonic()) == 1
     finally:
         await r.close()
+
+
+async def test_own_ranges_come_back_under_a_new_lease_after_the_old_one_is_lost(
+    etcd: EtcdServer,
+) -> None:
+    r = _Replica(etcd, "a1", NODES)
+    flush: asyncio.Task[None] | None = None
+    try:
+        await r.start()
+        flush = asyncio.create_task(r.sync.flush_loop())
+        base = r.tables.base("prefix")
+        bucket = 1234
+        other = GroupId(next(g for g in r.tables.weights if g != base.lookup(bucket)))
+        r.tables.move("prefix", bucket, other)
+
+        async def stored() -> dict[int, tuple[GroupTable, int]]:
+            async with publishing.client(etcd) as c:
+                kvs = await c.get_prefix(keys.groups(REGION).encode())
+            out = {}
+            for kv in kvs:
+                v = GroupTable.model_validate_json(kv.value)
+                out[v.first] = (v, kv.lease)
+            return out
+
+        async def wait_stored(lease: LeaseId) -> dict[int, tuple[GroupTable, int]]:
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                got = await stored()
+                if any(v.first <= bucket < v.end and v.owner == other and held == lease
+                       for v, held in got.values()):  # fmt: skip
+                    return got
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"the move is not in etcd under lease {lease:x}: {got}")
+
+        old = r.lease
+        assert old is not None
+        before = await wait_stored(old)
+        # the lease is lost (revoked: its keys go at once), the agent is granted a new one
+        await r.store.revoke(old)
+        r.lease = await r.store.grant(ttl_s=30)
+        await wait_stored(r.lease)  # put back, under the new lease
+        reader = _Replica(etcd, "reader", NODES)
+        try:
+            await reader.start(watch=False)
+            table = reader.tables.table("prefix")  # what every agent routes by
+        finally:
+            await reader.close()
+        assert table.lookup(bucket) == other and table == r.tables.table("prefix")
+        assert table != base and len(before) >= 1 and r.sync.republished >= 1
+    finally:
+        if flush is not None:
+            flush.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flush
+        await r.close()
