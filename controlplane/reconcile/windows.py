@@ -62,19 +62,7 @@ class PassResult:
 
 def policy_values(settings: ControllerSettings) -> PolicyValues:
     """The policy knobs as configured (before any admin override)."""
-    f = settings.failover
-    return PolicyValues(
-        window_s=f.window_s,
-        strikes=f.strikes,
-        recovery_windows=f.recovery_windows,
-        ramp=list(f.ramp),
-        min_hold_s=f.min_hold_s,
-        status_stale_s=f.status_stale_s,
-        min_healthy_fraction=f.min_healthy_fraction,
-        max_error_rate=f.max_error_rate,
-        ttft_p99_slo_s=f.ttft_p99_slo_s,
-        prewarm_fraction=f.prewarm_fraction,
-    )
+    return PolicyValues.model_validate(settings.failover, from_attributes=True)
 
 
 def config_from(
@@ -85,18 +73,7 @@ def config_from(
 
 def failover_config(f: PolicyValues) -> failover.FailoverConfig:
     """The policy's config from these knobs; ValueError names a bad one."""
-    return failover.FailoverConfig(
-        window_s=f.window_s,
-        strikes=f.strikes,
-        recovery_windows=f.recovery_windows,
-        ramp=tuple(f.ramp),
-        min_hold_s=f.min_hold_s,
-        status_stale_s=f.status_stale_s,
-        min_healthy_fraction=f.min_healthy_fraction,
-        max_error_rate=f.max_error_rate,
-        ttft_p99_slo_s=f.ttft_p99_slo_s,
-        prewarm_fraction=f.prewarm_fraction,
-    )
+    return failover.FailoverConfig(**{**f.model_dump(), "ramp": tuple(f.ramp)})
 
 
 def topology_from(
