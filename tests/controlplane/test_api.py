@@ -26,8 +26,8 @@ from controlplane.api.server import ADMIN_API
 from controlplane.app import Controller
 from controlplane.errors import StoreUnavailable
 from controlplane.store.etcd import Fence
-from tests.meridianctl.stack import TOKENS, Stack, until
-from tests.support import EtcdServer
+from tests.meridianctl.stack import TOKENS, Stack
+from tests.support import EtcdServer, until
 from wire import keys
 from wire.models import FleetPlan, RegionHealth, RegionOverride
 

@@ -32,7 +32,7 @@ from tests.controlplane.dns_helpers import (
     serial,
     srv_weights,
 )
-from tests.support import BindServer, EtcdServer, relaunch_bind
+from tests.support import BindServer, EtcdServer, cancel_all, relaunch_bind
 from wire import keys
 from wire.models import DnsApplied, RegionHealth, RegionStatus
 
@@ -104,11 +104,7 @@ class Stack:
     async def close(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self.tasks)
         await self.store.close()
 
 

@@ -12,7 +12,7 @@ from controlplane.election import Election
 from controlplane.errors import NotLeader, StoreUnavailable
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
-from tests.support import EtcdServer
+from tests.support import EtcdServer, cancel_all
 from wire import keys
 
 
@@ -70,11 +70,7 @@ async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
         got = await stores[0].get(keys.PREFIX + "probe")
         assert got is not None and got.value == b"1"
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
         for s in stores:
             await s.close()
 

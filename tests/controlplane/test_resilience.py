@@ -20,7 +20,14 @@ from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.errors import NotLeader
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
-from tests.support import EtcdServer, relaunch, start_etcd, start_etcd_cluster
+from tests.support import (
+    EtcdServer,
+    cancel_all,
+    relaunch,
+    start_etcd,
+    start_etcd_cluster,
+    until,
+)
 from wire import keys
 from wire.models import RegionHealth, RegionStatus
 
@@ -38,14 +45,6 @@ def _settings(endpoints: list[str], name: str, **extra: Any) -> ControllerSettin
         server={"port": 0},
         **extra,
     )  # type: ignore[arg-type]
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 class Fleet:
@@ -104,11 +103,7 @@ class Fleet:
         return None if entry is None else RegionHealth.model_validate_json(entry.value)
 
     async def close(self) -> None:
-        for task in self.agents:
-            task.cancel()
-        for task in self.agents:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self.agents)
         for runner in list(self.runners.values()):
             await runner.cleanup()
         await self.store.close()
@@ -138,9 +133,9 @@ async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
     fleet.start_agents()
     a = await fleet.controller("ctl-a")
     b = await fleet.controller("ctl-b")
-    await _until(lambda: a.election.leading or b.election.leading, 5, "a leader")
+    await until(lambda: a.election.leading or b.election.leading, 5, "a leader")
     leader, follower = (a, b) if a.election.leading else (b, a)
-    await _until(lambda: leader.passes >= 3, 5, "judged windows")
+    await until(lambda: leader.passes >= 3, 5, "judged windows")
     # eu-west's agent stops; the region is judged failed
     fleet.up["eu-west"] = False
     await fleet.store.delete(keys.agent_alive("eu-west", "a1"))
@@ -158,7 +153,7 @@ async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
     assert old_fence is not None
     # the leading controller dies without resigning
     await fleet.stop_controller(leader.election.identity, crash=True)
-    await _until(lambda: follower.election.leading, 2 + 2, "the follower to lead")
+    await until(lambda: follower.election.leading, 2 + 2, "the follower to lead")
     # nothing was undone: eu-west stays failed, its backup keeps the floor
     await asyncio.sleep(3 * WINDOW_S)
     assert await west_state() == "failed"
@@ -176,12 +171,12 @@ async def test_a_three_member_cluster_with_one_member_killed_keeps_working(
         fleet = fleet_factory([m.url for m in members])
         fleet.start_agents()
         c = await fleet.controller("ctl-a")
-        await _until(lambda: c.election.leading and c.passes >= 2, 10, "passes")
+        await until(lambda: c.election.leading and c.passes >= 2, 10, "passes")
         # kill the member the controller is talking to right now
         current = next(m for m in members if m.url == c.store.endpoint)
         current.process.kill()
         before = c.passes
-        await _until(lambda: c.passes >= before + 3, 30, "passes after the member died")
+        await until(lambda: c.passes >= before + 3, 30, "passes after the member died")
         assert c.election.leading
         h = await fleet.health("eu-west")
         assert h is not None and h.state == "healthy"
@@ -194,16 +189,16 @@ async def test_etcd_down_entirely_fails_static_then_converges(
         fleet = fleet_factory([etcd.url])
         fleet.start_agents()
         c = await fleet.controller("ctl-a")
-        await _until(lambda: c.election.leading and c.passes >= 3, 10, "passes")
+        await until(lambda: c.election.leading and c.passes >= 3, 10, "passes")
         window_before = c.last_pass.window if c.last_pass else 0
         etcd.process.kill()
-        await _until(lambda: not c.etcd_ok, 10, "the controller to notice")
+        await until(lambda: not c.etcd_ok, 10, "the controller to notice")
         await asyncio.sleep(1.0)  # several windows' worth of outage: nothing may be judged
         again = relaunch(etcd)
         try:
-            await _until(lambda: c.etcd_ok and c.passes > 0 and c.election.leading, 20, "recovery")
+            await until(lambda: c.etcd_ok and c.passes > 0 and c.election.leading, 20, "recovery")
             passes = c.passes
-            await _until(lambda: c.passes >= passes + 3, 10, "windows after recovery")
+            await until(lambda: c.passes >= passes + 3, 10, "windows after recovery")
             for region in ("eu-west", "eu-north"):
                 h = await fleet.health(region)
                 assert h is not None

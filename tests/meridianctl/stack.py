@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from controlplane.api.server import ADMIN_API
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from tests.support import cancel_all, until
 from wire import keys
 from wire.models import RegionLoad, RegionStatus
 
@@ -54,14 +54,6 @@ def settings(
         server={"port": 0},
         api=api,
     )
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 class Stack:
@@ -141,11 +133,7 @@ class Stack:
         return out
 
     async def close(self) -> None:
-        for task in self.agents:
-            task.cancel()
-        for task in self.agents:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self.agents)
         for runner in list(self.runners.values()):
             await runner.cleanup()
         await self.store.close()

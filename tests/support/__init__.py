@@ -17,6 +17,7 @@ from tests.support.bind import (
 from tests.support.etcd import EtcdServer, relaunch, start_etcd, start_etcd_cluster
 from tests.support.ports import free_port
 from tests.support.process import ServerStartError
+from tests.support.waits import cancel_all, until
 
 __all__ = [
     "BindServer",
@@ -24,6 +25,7 @@ __all__ = [
     "EtcdServer",
     "ServerStartError",
     "TsigKey",
+    "cancel_all",
     "check_conf",
     "free_port",
     "relaunch",
@@ -32,5 +34,6 @@ __all__ = [
     "start_bind_with",
     "start_etcd",
     "start_etcd_cluster",
+    "until",
     "zone_file",
 ]
