@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.meridianctl.stack import TOKENS, Stack
+from tests.meridianctl.stack import TOKENS, Stack, leading
 from tests.support import EtcdServer
 
 JSON = st.recursive(
@@ -77,14 +77,8 @@ TOKEN = st.sampled_from([None, "viewer", "operator", "admin", "bogus"])
 
 @pytest.fixture
 async def stack(etcd: EtcdServer) -> AsyncIterator[Stack]:
-    s = Stack(etcd.url)
-    s.start_agents()
-    await s.controller("ctl-a")
-    await s.leader()
-    try:
+    async with leading(etcd.url) as s:
         yield s
-    finally:
-        await s.close()
 
 
 async def test_no_input_makes_the_api_fail(stack: Stack) -> None:

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from meridianctl.cli import cli
-from tests.meridianctl.stack import TOKENS, Stack
+from tests.meridianctl.stack import TOKENS, Stack, leading
 from tests.support import EtcdServer
 
 
@@ -27,14 +27,8 @@ Ctl = Callable[..., Awaitable[Ran]]
 
 @pytest.fixture
 async def stack(etcd: EtcdServer) -> AsyncIterator[Stack]:
-    s = Stack(etcd.url)
-    s.start_agents()
-    await s.controller("ctl-a")
-    await s.leader()
-    try:
+    async with leading(etcd.url) as s:
         yield s
-    finally:
-        await s.close()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,16 @@ class Stack:
         for runner in list(self.runners.values()):
             await runner.cleanup()
         await self.store.close()
+
+
+@contextlib.asynccontextmanager
+async def leading(etcd_url: str) -> AsyncIterator[Stack]:
+    """A stack whose agents publish and whose one controller, ``ctl-a``, leads; closed after."""
+    s = Stack(etcd_url)
+    s.start_agents()
+    await s.controller("ctl-a")
+    await s.leader()
+    try:
+        yield s
+    finally:
+        await s.close()
