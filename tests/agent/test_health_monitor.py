@@ -21,6 +21,7 @@ from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import HealthSettings
 from regional_agent.upstream.client import NodeClient
 from tests.conftest import NodeFactory
+from tests.support import ManualClock
 from tests.support.ports import free_port
 
 MONITOR_LOG = "regional_agent.health.monitor"
@@ -40,14 +41,6 @@ SETTINGS = HealthSettings(
 )
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
-
-
 @pytest.fixture
 async def client() -> AsyncIterator[NodeClient]:
     c = NodeClient(connect_timeout_s=1, first_byte_timeout_s=5, read_timeout_s=5)
@@ -56,8 +49,8 @@ async def client() -> AsyncIterator[NodeClient]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
 class Notified:
@@ -74,7 +67,7 @@ SetupFactory = Callable[..., Awaitable[Setup]]
 
 
 @pytest.fixture
-def make_monitor(sim_node: NodeFactory, client: NodeClient, clock: FakeClock) -> SetupFactory:
+def make_monitor(sim_node: NodeFactory, client: NodeClient, clock: ManualClock) -> SetupFactory:
     """``pool, monitor, ids, urls = await make_monitor(n)``: n sim nodes in a fresh pool."""
 
     async def make(n: int, *, settings: HealthSettings = SETTINGS) -> Setup:
@@ -108,7 +101,7 @@ def _changes(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 async def test_failing_health_makes_a_node_unhealthy_and_it_comes_back_slowly(
-    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    make_monitor: SetupFactory, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=MONITOR_LOG)
     pool, monitor, (sick, well), (url, _) = await make_monitor(2)
@@ -152,7 +145,7 @@ async def test_failing_health_makes_a_node_unhealthy_and_it_comes_back_slowly(
     )
 
 
-async def test_a_closed_port_is_unhealthy(make_monitor: SetupFactory, clock: FakeClock) -> None:
+async def test_a_closed_port_is_unhealthy(make_monitor: SetupFactory, clock: ManualClock) -> None:
     pool, monitor, _, _ = await make_monitor(1)
     dead = NodeId("dead")
     pool.add(Node(node_id=dead, url=f"http://127.0.0.1:{free_port()}"))
@@ -192,7 +185,7 @@ async def test_run_probes_on_its_own(sim_node: NodeFactory, client: NodeClient) 
 
 
 async def test_failed_requests_eject_then_probation_then_healthy(
-    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    make_monitor: SetupFactory, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=MONITOR_LOG)
     pool, monitor, (bad, _, _), _ = await make_monitor(3)
@@ -235,7 +228,7 @@ async def test_failed_requests_eject_then_probation_then_healthy(
 
 
 async def test_a_failure_in_probation_ejects_for_twice_as_long(
-    make_monitor: SetupFactory, clock: FakeClock
+    make_monitor: SetupFactory, clock: ManualClock
 ) -> None:
     _, monitor, (bad, _, _), _ = await make_monitor(3)
     for _ in range(SETTINGS.eject_consecutive_errors):
@@ -250,7 +243,7 @@ async def test_a_failure_in_probation_ejects_for_twice_as_long(
 
 
 async def test_a_latency_outlier_among_four_nodes_is_ejected(
-    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    make_monitor: SetupFactory, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=MONITOR_LOG)
     _, monitor, ids, _ = await make_monitor(4)
@@ -272,7 +265,7 @@ async def test_a_latency_outlier_among_four_nodes_is_ejected(
 
 
 async def test_the_cap_keeps_one_of_two_failing_nodes_in(
-    make_monitor: SetupFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    make_monitor: SetupFactory, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=MONITOR_LOG)
     pool, monitor, (a, b), _ = await make_monitor(2)
@@ -298,7 +291,7 @@ async def test_the_cap_keeps_one_of_two_failing_nodes_in(
 
 
 async def test_a_node_added_later_is_healthy_until_probed_and_ramps_up(
-    make_monitor: SetupFactory, sim_node: NodeFactory, clock: FakeClock
+    make_monitor: SetupFactory, sim_node: NodeFactory, clock: ManualClock
 ) -> None:
     pool, monitor, _, _ = await make_monitor(1)
     await monitor.probe_once()  # start-up is over
@@ -312,7 +305,7 @@ async def test_a_node_added_later_is_healthy_until_probed_and_ramps_up(
     assert monitor.slow_start(late, now=clock.now()) == pytest.approx(0.55)
 
 
-async def test_unknown_and_forgotten_nodes(make_monitor: SetupFactory, clock: FakeClock) -> None:
+async def test_unknown_and_forgotten_nodes(make_monitor: SetupFactory, clock: ManualClock) -> None:
     pool, monitor, (node_id,), _ = await make_monitor(1)
     ghost = NodeId("ghost")
     monitor.record(ghost, ok=False, ttft_s=None, now=clock.now())  # not in the pool: ignored
@@ -343,7 +336,7 @@ async def test_unknown_and_forgotten_nodes(make_monitor: SetupFactory, clock: Fa
 
 
 async def test_a_probe_round_drops_nodes_removed_without_forget(
-    make_monitor: SetupFactory, clock: FakeClock
+    make_monitor: SetupFactory, clock: ManualClock
 ) -> None:
     pool, monitor, (kept, gone), _ = await make_monitor(2)
     for _ in range(SETTINGS.eject_consecutive_errors):

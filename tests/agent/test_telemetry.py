@@ -26,6 +26,7 @@ from regional_agent.upstream.client import NodeClient
 from simulator import node as sim
 from simulator import profile
 from tests.conftest import NodeFactory
+from tests.support import ManualClock
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 LONG_PROMPT = " ".join(f"word{i % 50} alpha beta gamma" for i in range(80))  # 400 tokens
@@ -192,14 +193,6 @@ def test_a_nan_gauge_is_an_error() -> None:
 # -- scraper: fixtures and helpers -------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def now(self) -> float:
-        return self.t
-
-
 class Rounds:
     """Counts ``pool.notify()`` calls; ``await rounds.reach(n)`` waits for the n-th."""
 
@@ -273,8 +266,8 @@ PageStarter = Callable[[], Awaitable[PageServer]]
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(100.0)
 
 
 @pytest.fixture
@@ -291,7 +284,7 @@ async def client() -> AsyncIterator[NodeClient]:
 
 @pytest.fixture
 async def make_scraper(
-    pool: NodePool, client: NodeClient, clock: FakeClock
+    pool: NodePool, client: NodeClient, clock: ManualClock
 ) -> AsyncIterator[ScraperFactory]:
     def make(**settings: float) -> Scraper:
         scraper = Scraper(
@@ -348,7 +341,7 @@ async def _complete(url: str, prompt: str) -> None:
 
 
 async def test_scrapes_live_nodes_and_derives_the_prefix_hit_rate(
-    sim_node: NodeFactory, pool: NodePool, clock: FakeClock, make_scraper: ScraperFactory
+    sim_node: NodeFactory, pool: NodePool, clock: ManualClock, make_scraper: ScraperFactory
 ) -> None:
     url_a = await sim_node(profile_name="cpu-tiny")
     a = add(pool, "a", url_a)
@@ -400,7 +393,7 @@ async def test_scrapes_live_nodes_and_derives_the_prefix_hit_rate(
 
 async def test_stopped_node_goes_stale_then_recovers(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -452,7 +445,7 @@ async def test_stopped_node_goes_stale_then_recovers(
 
 async def test_unreachable_from_the_start_is_unknown_and_logged_once(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     pages: PageStarter,
     caplog: pytest.LogCaptureFixture,
@@ -477,7 +470,7 @@ async def test_unreachable_from_the_start_is_unknown_and_logged_once(
 
 async def test_hit_rate_per_interval_and_counter_resets(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     pages: PageStarter,
 ) -> None:
@@ -510,7 +503,7 @@ async def test_hit_rate_per_interval_and_counter_resets(
 
 async def test_bad_pages_and_statuses_are_recorded_not_raised(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     pages: PageStarter,
 ) -> None:
@@ -541,7 +534,7 @@ async def test_bad_pages_and_statuses_are_recorded_not_raised(
 
 async def test_removed_nodes_are_forgotten(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     pages: PageStarter,
 ) -> None:
@@ -564,7 +557,7 @@ async def test_removed_nodes_are_forgotten(
 
 async def test_run_keeps_scraping_past_a_hung_node(
     pool: NodePool,
-    clock: FakeClock,
+    clock: ManualClock,
     make_scraper: ScraperFactory,
     pages: PageStarter,
 ) -> None:
@@ -595,7 +588,7 @@ async def test_run_keeps_scraping_past_a_hung_node(
 
 
 async def test_telemetry_is_unknown_before_any_scrape(
-    pool: NodePool, clock: FakeClock, make_scraper: ScraperFactory
+    pool: NodePool, clock: ManualClock, make_scraper: ScraperFactory
 ) -> None:
     scraper = make_scraper()
     node_id = add(pool, "new", "http://127.0.0.1:9")

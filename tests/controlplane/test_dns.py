@@ -12,7 +12,6 @@ import asyncio
 import base64
 import logging
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -39,27 +38,12 @@ from tests.controlplane.dns_helpers import (
     srv_weights,
     view_settings,
 )
-from tests.support import BindServer, EtcdServer
+from tests.support import BindServer, ManualClock
 from wire import keys
 from wire.models import DnsApplied, RegionStatus
 
 WINDOW_S = 30.0
 EU, US = "127.0.0.2", "127.0.0.1"  # the client addresses of the geo-a and default views
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_800_000_000.0
-
-    def now(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
-    s = Store([etcd.url])
-    yield s
-    await s.close()
 
 
 def _settings(bind: BindServer, **dns: Any) -> ControllerSettings:
@@ -85,7 +69,7 @@ def _steering(
 
 async def _window(
     store: Store,
-    clock: Clock,
+    clock: ManualClock,
     settings: ControllerSettings,
     *,
     up: list[str],
@@ -116,7 +100,7 @@ async def _applied(store: Store) -> DnsApplied:
 async def test_each_geography_gets_its_own_answer_and_nothing_is_resent(
     store: Store, bind: BindServer
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings(bind)
     steer = _steering(settings, store, clock)
     await _window(store, clock, settings, up=["eu-west", "us-east"])
@@ -153,7 +137,7 @@ async def test_each_geography_gets_its_own_answer_and_nothing_is_resent(
 async def test_failover_flips_the_geography_to_its_backup_and_the_ramp_brings_it_back(
     store: Store, bind: BindServer
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings(bind)
     steer = _steering(settings, store, clock)
     await _window(store, clock, settings, up=["eu-west", "us-east"])
@@ -185,7 +169,7 @@ async def test_failover_flips_the_geography_to_its_backup_and_the_ramp_brings_it
 async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
     store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     forged = base64.b64encode(secrets.token_bytes(32)).decode()
     views = [
         view_settings(bind.view("geo-a"), "eu", secret=forged),
@@ -217,7 +201,7 @@ async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
 
 
 async def test_an_unsigned_update_is_refused(store: Store, bind: BindServer) -> None:
-    clock = Clock()
+    clock = ManualClock()
     views = [
         {"name": "geo-a", "geo": "eu", "source": EU},  # no key: reads and writes from 127.0.0.2
         view_settings(bind.view("default"), "us"),
@@ -233,7 +217,7 @@ async def test_an_unsigned_update_is_refused(store: Store, bind: BindServer) -> 
 async def test_dry_run_logs_the_difference_and_sends_nothing(
     store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings(bind, backend="dry-run")
     steer = _steering(settings, store, clock)
     await _window(store, clock, settings, up=["eu-west", "us-east"])
@@ -257,7 +241,7 @@ async def test_dry_run_logs_the_difference_and_sends_nothing(
 
 
 async def test_records_written_out_of_band_are_put_back(store: Store, bind: BindServer) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings(bind)
     steer = _steering(settings, store, clock)
     await _window(store, clock, settings, up=["eu-west", "us-east"])
@@ -283,7 +267,7 @@ async def test_records_written_out_of_band_are_put_back(store: Store, bind: Bind
 async def test_a_host_name_endpoint_below_the_service_is_the_operators_and_never_touched(
     store: Store, bind: BindServer
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings(bind)
     steer = _steering(settings, store, clock)
     host = "eu-west.api.meridian.test."
@@ -310,7 +294,7 @@ async def test_a_host_name_endpoint_below_the_service_is_the_operators_and_never
 async def test_a_zone_the_view_does_not_serve_is_said_clearly(
     store: Store, bind: BindServer
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     views = [
         {**view_settings(bind.view("geo-a"), "eu"), "zone": "not-served.test."},
         view_settings(bind.view("default"), "us"),

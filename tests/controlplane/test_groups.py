@@ -3,25 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from controlplane.reconcile import fleet
 from controlplane.store import Store
 from policies import groups
-from tests.support import EtcdServer
 from wire import keys
 from wire.models import GroupLayout, GroupTable, RegionLoad, RegionStatus
 
 NOW = 1_800_000_000.0
-
-
-@pytest.fixture
-async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
-    s = Store([etcd.url])
-    yield s
-    await s.close()
 
 
 def _status(region: str = "eu-west", **kw: object) -> RegionStatus:

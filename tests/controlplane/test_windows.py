@@ -8,7 +8,6 @@ tests/agent/test_publisher.py and both together in test_controller_e2e.py.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -16,26 +15,11 @@ import pytest
 from controlplane.reconcile import fleet, windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
-from tests.support import EtcdServer
+from tests.support import EtcdServer, ManualClock
 from wire import keys
 from wire.models import FleetPlan, RegionDesired, RegionHealth, RegionLoad, RegionStatus
 
 WINDOW_S = 30.0
-
-
-class Clock:
-    def __init__(self, start: float = 1_800_000_000.0) -> None:
-        self.t = start
-
-    def now(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
-    s = Store([etcd.url])
-    yield s
-    await s.close()
 
 
 def _settings(**failover: Any) -> ControllerSettings:
@@ -52,7 +36,7 @@ def _settings(**failover: Any) -> ControllerSettings:
 
 async def _publish(
     store: Store,
-    clock: Clock,
+    clock: ManualClock,
     region: str,
     *,
     capacity: float = 4.0,
@@ -96,7 +80,7 @@ async def _desired(store: Store, region: str) -> RegionDesired:
 
 
 async def _window(
-    store: Store, clock: Clock, settings: ControllerSettings, *, up: list[str]
+    store: Store, clock: ManualClock, settings: ControllerSettings, *, up: list[str]
 ) -> windows.PassResult:
     """One window: the regions in ``up`` refresh their status, then the controller judges."""
     clock.t += WINDOW_S
@@ -111,7 +95,7 @@ ALL = ["eu-west", "eu-north", "us-east"]
 async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
     store: Store,
 ) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     assert (await _health(store, "eu-west")).state == "healthy"
     # eu-west's agent stops: its lease (here: the alive key) goes, its status goes stale
@@ -139,7 +123,7 @@ async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
 
 
 async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(store: Store) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     desired = await _desired(store, "eu-north")
     assert "eu-west" in desired.protects
@@ -160,7 +144,7 @@ async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(sto
 
 
 async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(store: Store) -> None:
-    clock = Clock()
+    clock = ManualClock()
     settings = _settings()
     # us-east has far more headroom; eu traffic must still stay in eu
     clock.t += WINDOW_S
@@ -184,7 +168,7 @@ async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(sto
 
 
 async def test_recovery_ramps_the_weight_back(store: Store) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     await store.delete(keys.agent_alive("eu-west", "a1"))
     for _ in range(3):
@@ -204,7 +188,7 @@ async def test_recovery_ramps_the_weight_back(store: Store) -> None:
 async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     clock.t += WINDOW_S
     for region in ("eu-north", "us-east"):
@@ -219,7 +203,7 @@ async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
 
 
 async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Store) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     await _publish(store, clock, "eu-west", agent="a2", in_flight=7)
     view = await fleet.read(store)
@@ -248,7 +232,7 @@ async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Stor
 
 async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None:
     """An agent from before per-agent keys writes regions/<r>/alive and /status."""
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=["eu-north", "us-east"])
     old = RegionStatus(
         region="eu-west", geo="eu", residency=["eu"], nodes_healthy=3, nodes_total=4,
@@ -270,7 +254,7 @@ async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None
 
 async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
     """What one leader judged, the next leader continues: state lives in etcd, not memory."""
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     await store.delete(keys.agent_alive("eu-west", "a1"))
     await _window(store, clock, settings, up=["eu-north", "us-east"])
@@ -288,7 +272,7 @@ async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
 
 
 async def test_nothing_is_rewritten_when_nothing_changed(store: Store, etcd: EtcdServer) -> None:
-    clock, settings = Clock(), _settings()
+    clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     before = {k: (await store.get(k)) for k in (keys.health("eu-west"), keys.desired("eu-north"))}
     result = await _window(store, clock, settings, up=ALL)

@@ -14,6 +14,7 @@ from tests.support.bind import (
     start_bind_with,
     zone_file,
 )
+from tests.support.clock import ManualClock
 from tests.support.etcd import EtcdServer, relaunch, start_etcd, start_etcd_cluster
 from tests.support.ports import free_port
 from tests.support.process import ServerStartError
@@ -23,6 +24,7 @@ __all__ = [
     "BindServer",
     "DnsView",
     "EtcdServer",
+    "ManualClock",
     "ServerStartError",
     "TsigKey",
     "cancel_all",
