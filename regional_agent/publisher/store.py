@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType, TypeVar
+from typing import Any, NewType, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
@@ -187,17 +187,13 @@ class Store:
         them (a :class:`KeyValue`), until the watch stream breaks (``StoreUnavailable``).
         Level-based like :meth:`follow`; use it under ``contextlib.aclosing``."""
         snapshot = await self.get_prefix(prefix)
-        client, generation = self._connected()
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                watch = await client.watch_prefix(
-                    prefix.encode(), start_revision=snapshot.revision + 1
-                )
-        except BaseException as exc:
-            error = await self._translate(f"watch {prefix}*", exc, generation)
-            if error is None:
-                raise
-            raise error from exc
+        target = f"{prefix}*"
+        watch, generation = await self._start_watch(
+            target,
+            lambda client: client.watch_prefix(
+                prefix.encode(), start_revision=snapshot.revision + 1
+            ),
+        )
         try:
             yield snapshot
             try:
@@ -211,32 +207,17 @@ class Store:
                         lease=int(event.kv.lease),
                     )
             except BaseException as exc:
-                error = await self._translate(f"watch {prefix}*", exc, generation)
-                if error is None:
-                    raise
-                raise error from exc
-            ended = StoreUnavailable(f"etcd {self.endpoint}: the watch of {prefix}* ended")
-            ended.stale = generation != self._generation
-            await self._drop(generation, reason="the watch stream ended")
-            raise ended
+                await self._raise_translated(f"watch {target}", exc, generation)
+            raise await self._watch_ended(target, generation)
         finally:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(watch.cancel(), timeout=self._timeout_s)
+            await self._cancel_watch(watch)
 
     async def follow(self, key: str) -> AsyncGenerator[Change, None]:
         """The key's current value, then each change to it, until the watch stream breaks
         (``StoreUnavailable``).  Level-based: the first item is what etcd holds now, so a caller
         that re-follows after an outage misses nothing that still matters.  Use it under
         ``contextlib.aclosing`` so that the watch is cancelled when the caller stops."""
-        client, generation = self._connected()
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                watch = await client.watch(key.encode())
-        except BaseException as exc:
-            error = await self._translate(f"watch {key}", exc, generation)
-            if error is None:
-                raise
-            raise error from exc
+        watch, generation = await self._start_watch(key, lambda client: client.watch(key.encode()))
         try:
             current = await self.get(key)
             last = 0 if current is None else current.mod_revision
@@ -252,19 +233,10 @@ class Store:
                     deleted = str(event.kind).upper().endswith("DELETE")
                     yield Change(value=None if deleted else bytes(event.kv.value), revision=last)
             except BaseException as exc:
-                error = await self._translate(f"watch {key}", exc, generation)
-                if error is None:
-                    raise
-                raise error from exc
-            # aetcd ends a watch quietly when its client is closed: by us below, or by another
-            # caller that met a failure first (and reported it: this one is then stale)
-            ended = StoreUnavailable(f"etcd {self.endpoint}: the watch of {key} ended")
-            ended.stale = generation != self._generation
-            await self._drop(generation, reason="the watch stream ended")
-            raise ended
+                await self._raise_translated(f"watch {key}", exc, generation)
+            raise await self._watch_ended(key, generation)
         finally:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(watch.cancel(), timeout=self._timeout_s)
+            await self._cancel_watch(watch)
 
     async def close(self) -> None:
         self._closed = True
@@ -292,12 +264,41 @@ class Store:
             async with asyncio.timeout(self._timeout_s):
                 result = await op(client)
         except BaseException as exc:
-            error = await self._translate(what, exc, generation)
-            if error is None:
-                raise
-            raise error from exc
+            await self._raise_translated(what, exc, generation)
         self._answered_s = time.monotonic()
         return result
+
+    async def _start_watch(
+        self, target: str, start: Callable[[aetcd.Client], Awaitable[Any]]
+    ) -> tuple[Any, int]:
+        """The watch ``start`` opens on the current client, and that client's generation."""
+        client, generation = self._connected()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await start(client), generation
+        except BaseException as exc:
+            await self._raise_translated(f"watch {target}", exc, generation)
+
+    async def _watch_ended(self, target: str, generation: int) -> StoreUnavailable:
+        """The error for a watch stream that ended without one; drops the client it ran on."""
+        # aetcd ends a watch quietly when its client is closed: by us below, or by another
+        # caller that met a failure first (and reported it: this one is then stale)
+        ended = StoreUnavailable(f"etcd {self.endpoint}: the watch of {target} ended")
+        ended.stale = generation != self._generation
+        await self._drop(generation, reason="the watch stream ended")
+        return ended
+
+    async def _cancel_watch(self, watch: Any) -> None:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(watch.cancel(), timeout=self._timeout_s)
+
+    async def _raise_translated(self, what: str, exc: BaseException, generation: int) -> NoReturn:
+        """Raise the agent's error for ``exc`` (from it), or ``exc`` itself where it must
+        propagate as it is (see :meth:`_translate`)."""
+        error = await self._translate(what, exc, generation)
+        if error is None:
+            raise exc
+        raise error from exc
 
     async def _translate(self, what: str, exc: BaseException, generation: int) -> StoreError | None:
         """The agent's error for ``exc``; ``None`` when ``exc`` must propagate as it is (our
