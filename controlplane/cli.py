@@ -95,6 +95,19 @@ def _invalid(exc: pydantic.ValidationError) -> str:
     return "meridian-controller: invalid settings:\n" + "\n".join(lines)
 
 
+def _load(
+    *, config_file: Path | None, overrides: dict[str, Any] | None = None
+) -> controller_settings.ControllerSettings | None:
+    """The settings, or ``None`` once stderr says why they cannot be loaded."""
+    try:
+        return controller_settings.load(config_file=config_file, overrides=overrides)
+    except pydantic.ValidationError as exc:
+        print(_invalid(exc), file=sys.stderr)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"meridian-controller: {exc}", file=sys.stderr)
+    return None
+
+
 def dns_main(argv: Sequence[str]) -> int:
     """``meridian-controller dns bind-config``: named.conf keys, views and zones for [dns]."""
     p = argparse.ArgumentParser(prog="meridian-controller dns", description=dns_main.__doc__)
@@ -102,13 +115,8 @@ def dns_main(argv: Sequence[str]) -> int:
     p.add_argument("--config", type=Path, help="TOML settings file (its [dns] group)")
     p.add_argument("--zone-dir", default="/var/lib/bind", help="where named keeps the zones")
     args = p.parse_args(argv)
-    try:
-        settings = controller_settings.load(config_file=args.config)
-    except pydantic.ValidationError as exc:
-        print(_invalid(exc), file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"meridian-controller: {exc}", file=sys.stderr)
+    settings = _load(config_file=args.config)
+    if settings is None:
         return 2
     if not settings.dns.views:
         print("meridian-controller: no [[dns.views]] in the settings: nothing to render",
@@ -126,13 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    try:
-        settings = controller_settings.load(config_file=args.config, overrides=overrides(args))
-    except pydantic.ValidationError as exc:
-        print(_invalid(exc), file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"meridian-controller: {exc}", file=sys.stderr)
+    settings = _load(config_file=args.config, overrides=overrides(args))
+    if settings is None:
         return 2
     try:
         asyncio.run(_serve(settings))
