@@ -73,6 +73,18 @@ async def _health(store: Store, region: str) -> RegionHealth:
     return RegionHealth.model_validate_json(entry.value)
 
 
+async def _west_down_for_three_windows(
+    store: Store, clock: ManualClock, settings: ControllerSettings
+) -> list[tuple[str, int]]:
+    """eu-west's (state, strikes) after each of three windows in which only the others publish."""
+    states: list[tuple[str, int]] = []
+    for _ in range(3):
+        await _window(store, clock, settings, up=["eu-north", "us-east"])
+        h = await _health(store, "eu-west")
+        states.append((h.state, h.strikes))
+    return states
+
+
 async def _desired(store: Store, region: str) -> RegionDesired:
     entry = await store.get(keys.desired(region))
     assert entry is not None
@@ -100,12 +112,11 @@ async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
     assert (await _health(store, "eu-west")).state == "healthy"
     # eu-west's agent stops: its lease (here: the alive key) goes, its status goes stale
     await store.delete(keys.agent_alive("eu-west", "a1"))
-    states = []
-    for _ in range(3):
-        await _window(store, clock, settings, up=["eu-north", "us-east"])
-        h = await _health(store, "eu-west")
-        states.append((h.state, h.strikes))
-    assert states == [("suspect", 1), ("suspect", 2), ("failed", 3)]
+    assert await _west_down_for_three_windows(store, clock, settings) == [
+        ("suspect", 1),
+        ("suspect", 2),
+        ("failed", 3),
+    ]
     health = await _health(store, "eu-west")
     assert health.weight == 0.0 and "lease" in health.reason
     assert health.backup == "eu-north"
@@ -222,12 +233,11 @@ async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Stor
         assert (h.state, h.strikes) == ("healthy", 0), h.reason
     # a2 stops too: now the region fails after exactly three windows
     await store.delete(keys.agent_alive("eu-west", "a2"))
-    states = []
-    for _ in range(3):
-        await _window(store, clock, settings, up=["eu-north", "us-east"])
-        h = await _health(store, "eu-west")
-        states.append((h.state, h.strikes))
-    assert states == [("suspect", 1), ("suspect", 2), ("failed", 3)]
+    assert await _west_down_for_three_windows(store, clock, settings) == [
+        ("suspect", 1),
+        ("suspect", 2),
+        ("failed", 3),
+    ]
 
 
 async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None:
