@@ -59,6 +59,7 @@ def main() -> int:
         "--claim-window-s", type=float, default=None, help="the claim check's window (30 s)"
     )
     p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
+    p.add_argument("--no-grid", action="store_true", help="the claim check only")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -78,6 +79,7 @@ def main() -> int:
         for load in (largest_loads if n == max(sizes) else loads)
         for scrape in (0.0, stale)
         for pol in POLICIES
+        if not args.no_grid
     ]
     tasks += [
         Task("claim", pol, 64, 0.8, scrape, claim_window_s, min_requests)
@@ -97,6 +99,7 @@ def main() -> int:
     )
     meta = {
         "trace": str(args.trace),
+        "trace_name": args.trace.name,
         "profile": args.profile,
         "max_model_len": _fleet.MAX_MODEL_LEN,
         "node_capacity_rps": cap,
@@ -128,7 +131,7 @@ def render(
 ) -> str:
     by = {_key(r): r for r in rows if r["section"] == "grid"}
     out = [
-        "# Fleet tables (simulator)",
+        f"# Fleet tables (simulator, {meta.get('trace_name', 'trace')})",
         "",
         f"Command: `{meta['command']}`; node capacity {meta['node_capacity_rps']:.3f} req/s; "
         f"window {meta['window_s']} s of arrivals, at least {meta['min_requests']} requests.",
@@ -138,6 +141,8 @@ def render(
     ]
     for n in sizes:
         for load in loads:
+            if not any(k[0] == n and k[1] == load for k in by):
+                continue
             out += [
                 f"## {n} GPUs, {load:.0%} load",
                 "",
