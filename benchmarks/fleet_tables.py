@@ -220,7 +220,8 @@ def plot(rows: list[dict[str, Any]], path: Path, *, sizes: list[int], stale: flo
             ax.set_ylabel("TTFT p99 (s)")
             ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}", file=sys.stderr)
