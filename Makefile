@@ -8,7 +8,8 @@
 #   make demo    the whole fleet on loopback and a regional failover (controlplane.demo)
 #   make demo-region  one region: nodes behind an agent, a drain and a kill (simulator.demo)
 #   make bench   every benchmarks/*.py script (not _helpers.py) with --quick: minutes each
-#   make bench-full      the same without --quick: the full tables (hours on 2 cores)
+#   make bench-full      the same without --quick: the full tables (the two fleet scripts alone
+#                        took 76 minutes on 2 busy cores with 256 GPUs at one load; see docs)
 #   make clean   caches and build output; `make distclean` also removes .venv
 
 SHELL := /bin/bash
