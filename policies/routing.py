@@ -75,9 +75,15 @@ class RoutingConfig:
 
     # prefix index (prefix_aware, meridian)
     prefix_capacity_blocks: int = 200_000
-    """Most block hashes the prefix index keeps (LRU).  An H100 with Llama-3-8B caches about
-    28k 16-token blocks, so 200k covers about seven such nodes' whole caches; each entry
-    costs the agent about 0.33 KiB (65 MiB at this default)."""
+    """Most block hashes the prefix index keeps (LRU); each entry costs the agent about 0.33
+    KiB (``prefix_index.ENTRY_BYTES``; 65 MiB at this default).  With ``prefix_stride_blocks``
+    k the entries cover k times as many cached blocks: an H100 with Llama-3-8B caches about
+    28k 16-token blocks, so 200k entries cover about seven such nodes' caches at stride 1 and
+    about 228 at stride 32."""
+    prefix_stride_blocks: int = 32
+    """Index every this-many-th block of a prompt, and its last one (``PrefixIndex``): a
+    match is then found to within this many blocks (512 tokens at 16-token blocks), never
+    deeper than the truth, and exact for a prompt that extends a routed one."""
     prefix_ttl_s: float = 120.0
     """A node's claim on a block older than this is ignored (peers evict every 60-120 s)."""
 
@@ -135,6 +141,8 @@ class RoutingConfig:
                 raise ValueError(f"RoutingConfig.{f.name} must not be negative; got {value}")
         if self.prefix_capacity_blocks < 1:
             raise ValueError("RoutingConfig.prefix_capacity_blocks must be at least 1")
+        if self.prefix_stride_blocks < 1:
+            raise ValueError("RoutingConfig.prefix_stride_blocks must be at least 1")
         if self.prefix_ttl_s <= 0:
             raise ValueError("RoutingConfig.prefix_ttl_s must be positive")
         if self.balance_rel_threshold < 1:
@@ -182,6 +190,12 @@ def create(name: str, config: RoutingConfig) -> Policy:
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; valid: {', '.join(NAMES)}")
     return factory(config)
+
+
+def prefix_index_bytes(policy: Policy) -> int | None:
+    """About what ``policy``'s prefix index holds now, in bytes; ``None`` for a policy without
+    one (``PrefixIndex.estimated_bytes``)."""
+    return policy._index.estimated_bytes() if isinstance(policy, _Indexed) else None
 
 
 def candidates(request: RequestView, nodes: Sequence[NodeView]) -> list[NodeView]:
@@ -590,7 +604,9 @@ class _Indexed(_Base):
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
         self._index = PrefixIndex(
-            capacity_blocks=config.prefix_capacity_blocks, ttl_s=config.prefix_ttl_s
+            capacity_blocks=config.prefix_capacity_blocks,
+            ttl_s=config.prefix_ttl_s,
+            stride_blocks=config.prefix_stride_blocks,
         )
 
     def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:

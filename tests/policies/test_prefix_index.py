@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from policies import prompt
 from policies.model import NodeId
-from policies.prefix_index import PrefixIndex
+from policies.prefix_index import ENTRY_BYTES, PrefixIndex
 
 A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
 
@@ -145,3 +145,88 @@ def test_match_agrees_with_a_plain_model(
     assert unbounded.match(query, now=now) == expected
     for node, depth in bounded.match(query, now=now).items():
         assert 0 < depth <= expected[node]
+
+
+# --- stride -----------------------------------------------------------------------------------
+
+
+def test_a_stride_indexes_every_kth_block_and_the_last() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60, stride_blocks=4)
+    index.insert(chain(*range(10)), A, now=0)  # blocks 3, 7 and 9
+    assert len(index) == 3
+    assert index.match(chain(*range(10)), now=1) == {A: 10}
+    assert index.match(chain(*range(9), 99), now=1) == {A: 8}  # true 9: one block lost
+    assert index.match(chain(*range(12)), now=1) == {A: 10}  # extends it: exact
+    assert index.match(chain(*range(3), 99), now=1) == {}  # true 3, below the first stride
+    assert index.match(chain(0, 1, 2, 3), now=1) == {A: 4}
+
+
+def test_a_stride_finds_the_last_block_of_a_shorter_prompt_between_strides() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60, stride_blocks=8)
+    index.insert(chain(*range(20)), A, now=0)  # blocks 7, 15, 19
+    index.insert(chain(*range(10)), B, now=0)  # blocks 7, 9
+    index.insert(chain(*range(5)), C, now=0)  # block 4
+    assert index.match(chain(*range(30)), now=1) == {A: 20, B: 10, C: 5}
+
+
+def test_a_stride_reports_the_estimated_memory() -> None:
+    index = PrefixIndex(capacity_blocks=1000, ttl_s=60, stride_blocks=32)
+    index.insert(chain(*range(750)), A, now=0)
+    assert len(index) == 24  # 23 stride blocks and the last, not 750
+    assert index.estimated_bytes() == 24 * ENTRY_BYTES
+    assert index.capacity_bytes() == 1000 * ENTRY_BYTES
+
+
+def test_a_zero_stride_is_refused() -> None:
+    with pytest.raises(ValueError, match="stride_blocks"):
+        PrefixIndex(capacity_blocks=1, ttl_s=1, stride_blocks=0)
+
+
+_tokens = st.lists(st.integers(min_value=0, max_value=2), max_size=14)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=200)
+@given(
+    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), _tokens), max_size=10),
+    query=_tokens,
+    stride=st.integers(min_value=1, max_value=6),
+    capacity=st.integers(min_value=1, max_value=40),
+)
+def test_a_stride_is_never_deeper_than_the_truth_and_loses_under_a_stride(
+    inserts: list[tuple[NodeId, list[int]]], query: list[int], stride: int, capacity: int
+) -> None:
+    """With chained hashes, a node's true depth is the longest common prefix of the query with
+    a prompt routed to it.  The strided index never reports more; without eviction it reports
+    at least the true depth less ``stride - 1``, and the true depth itself when the query
+    extends a routed prompt."""
+    strided = PrefixIndex(capacity_blocks=10_000, ttl_s=1e9, stride_blocks=stride)
+    bounded = PrefixIndex(capacity_blocks=capacity, ttl_s=1e9, stride_blocks=stride)
+    for t, (node, tokens) in enumerate(inserts):
+        strided.insert(chain(*tokens), node, now=t)
+        bounded.insert(chain(*tokens), node, now=t)
+        assert len(bounded) <= capacity
+    truth: dict[NodeId, int] = {}
+    exact: set[NodeId] = set()
+    for node, tokens in inserts:
+        depth = _common(tokens, query)
+        truth[node] = max(truth.get(node, 0), depth)
+        if tokens and depth == len(tokens):
+            exact.add(node)
+    hashes = chain(*query)
+    matched = strided.match(hashes, now=len(inserts))
+    for node, depth in truth.items():
+        got = matched.get(node, 0)
+        assert depth - (stride - 1) <= got <= depth
+        if node in exact and depth == max(
+            len(t) for n, t in inserts if n == node and _common(t, query) == len(t)
+        ):
+            assert got == depth
+    for node, depth in bounded.match(hashes, now=len(inserts)).items():
+        assert 0 < depth <= truth[node]

@@ -307,7 +307,7 @@ def routed(policy: routing.Policy, hashes: tuple[int, ...], to: str, *, now: flo
 
 
 def test_prefix_aware_takes_the_longest_prefix_not_the_first_block() -> None:
-    policy = routing.create("prefix_aware", CONFIG)
+    policy = routing.create("prefix_aware", routing.RoutingConfig(prefix_stride_blocks=1))
     routed(policy, blocks(0, 1, 2, 3), "a")
     routed(policy, blocks(0, 5, 6), "b")
     nodes = [node("a"), node("b"), node("c")]
@@ -316,6 +316,24 @@ def test_prefix_aware_takes_the_longest_prefix_not_the_first_block() -> None:
         node=NodeId("b"), reason="prefix: longest cached prefix, 3 blocks", expected_hit_tokens=48
     )
     assert choose(policy, req(block_hashes=blocks(0, 1, 9)), nodes).node == "a"
+
+
+def test_the_default_stride_finds_a_conversations_previous_turn_exactly() -> None:
+    """At stride 32 a 40-block prompt has entries for blocks 31 and 39 only; the next turn,
+    45 blocks, still matches all 40 on the node that took the first."""
+    policy = routing.create("meridian", CONFIG)
+    assert CONFIG.prefix_stride_blocks == 32
+    turn = blocks(*range(40))
+    routed(policy, turn, "a")
+    routed(policy, blocks(*range(20), *range(100, 120)), "b")  # shares 20 blocks: below a stride
+    decision = choose(policy, req(block_hashes=blocks(*range(45))), [node("a"), node("b")])
+    assert decision.node == "a"
+    assert decision.expected_hit_tokens == 40 * 16
+
+
+def test_config_refuses_a_zero_stride() -> None:
+    with pytest.raises(ValueError, match="prefix_stride_blocks"):
+        routing.RoutingConfig(prefix_stride_blocks=0)
 
 
 def test_prefix_aware_breaks_equal_matches_by_load() -> None:
