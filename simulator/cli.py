@@ -140,7 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--prefix-capacity-blocks",
         type=_positive_int,
-        help="the agent's prefix index size, blocks (default RoutingConfig's, 200000)",
+        help="the agent's prefix index size, entries (default RoutingConfig's, 200000)",
+    )
+    f.add_argument(
+        "--prefix-stride-blocks",
+        type=_positive_int,
+        help="index every k-th prompt block and the last (default RoutingConfig's, 32)",
     )
     f.add_argument("--seed", type=int, default=0, help="seed for routing and scrape phases")
     f.add_argument("--json", type=Path, help="also write the figures to this JSON file")
@@ -172,6 +177,15 @@ def _format(value: float | int | str) -> str:
     return str(value)
 
 
+def _prefix_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The prefix index flags given, as RoutingConfig fields (the rest stay default)."""
+    given = {
+        "prefix_capacity_blocks": args.prefix_capacity_blocks,
+        "prefix_stride_blocks": args.prefix_stride_blocks,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _fleet(args: argparse.Namespace) -> int:
     try:
         prof = fleet.with_context(profile.load(args.profile), args.max_model_len)
@@ -184,11 +198,7 @@ def _fleet(args: argparse.Namespace) -> int:
             stale_after_s=args.stale_after_s,
             slots_per_node=args.slots,
             seed=args.seed,
-            routing=(
-                routing.RoutingConfig()
-                if args.prefix_capacity_blocks is None
-                else routing.RoutingConfig(prefix_capacity_blocks=args.prefix_capacity_blocks)
-            ),
+            routing=routing.RoutingConfig(**_prefix_overrides(args)),
         )
         progress = None if args.quiet else sys.stderr
         if progress is not None and args.capacity_rps is None:

@@ -551,6 +551,7 @@ class Fleet:
             if o.refused is not None:
                 refused[o.refused] = refused.get(o.refused, 0) + 1
         preemptions = sum(n.engine.stats.num_preemptions for n in self._nodes)
+        index_bytes = [routing.prefix_index_bytes(r.policy) for r in self._regions]
         cfg = self.config
         return {
             "policy": cfg.policy,
@@ -574,6 +575,8 @@ class Fleet:
             "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
             "throughput_tok_s": output / span,
             "preemptions": preemptions,
+            # the agents' prefix indexes at the end, all regions, by the index's own estimate
+            "prefix_index_mib": sum(b or 0 for b in index_bytes) / 2**20,
             "virtual_s": span,
             "wall_s": wall_s,
             "cpu_s": self._cpu_s,
