@@ -131,3 +131,11 @@ def test_agent_process_serves_and_stops_cleanly(
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def test_the_prefix_stride_is_a_routing_tuning_and_is_checked() -> None:
+    tuned = settings.Settings(routing={"tuning": {"prefix_stride_blocks": 8}})  # type: ignore[arg-type]
+    assert tuned.routing.config().prefix_stride_blocks == 8
+    assert settings.Settings().routing.config().prefix_stride_blocks == 32
+    with pytest.raises(ValueError, match="prefix_stride_blocks"):
+        settings.Settings(routing={"tuning": {"prefix_stride_blocks": 0}})  # type: ignore[arg-type]
