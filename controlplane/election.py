@@ -55,6 +55,10 @@ class Election:
                     log.warning("election: etcd unavailable, campaigning again error=%s", exc)
                 self.leader = None
                 await asyncio.sleep(self._ttl_s / 3)
+            except Exception:  # a bug must not end the campaign: this replica would never lead
+                log.exception("election: campaign failed; campaigning again")
+                self.leader = None
+                await asyncio.sleep(self._ttl_s / 3)
 
     async def _campaign(self, work: LeaderWork) -> None:
         lease = await self._store.grant(self._ttl_s)
@@ -104,7 +108,9 @@ class Election:
                 log.warning("election: the lease expired")
                 return
             last_ok = self._clock.now()
-        if task.exception() is not None:
+        if task.cancelled():  # not by us: something inside the work was cancelled
+            log.error("leader work ended cancelled; campaigning again")
+        elif task.exception() is not None:
             log.error("leader work crashed", exc_info=task.exception())
 
     async def resign(self) -> None:

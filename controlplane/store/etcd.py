@@ -110,21 +110,38 @@ class Store:
     async def _call(self, op: str, fn: Any) -> Any:
         """Run ``fn(client)``; on an unreachable member, try the next endpoint."""
         last: BaseException | None = None
-        for _ in range(len(self._endpoints)):
+        attempts, cancelled = len(self._endpoints), False
+        while attempts > 0:
+            attempts -= 1
             client = self._connect()
             try:
                 async with asyncio.timeout(self._timeout_s + 1):
                     return await fn(client)
             except _REFUSED as exc:
                 raise ControllerError(f"etcd refused {op}: {_why(exc)}") from exc
-            except _UNREACHABLE as exc:
+            except (*_UNREACHABLE, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # our own task is being cancelled: let it be
+                    # gRPC cancels the calls of a channel another caller closed (the leader's
+                    # keep-alive and its window pass share this store): not this member's
+                    # fault, so one more try on a fresh channel
+                    if not cancelled:
+                        cancelled, attempts = True, attempts + 1
                 last = exc
                 log.info(
                     "etcd call failed endpoint=%s op=%s error=%s", self.endpoint, op, _why(exc)
                 )
-                await self.close()
-                self._index = (self._index + 1) % len(self._endpoints)
+                await self._drop(client)
         raise StoreUnavailable(f"etcd unreachable ({op}): {_why(last)}") from last
+
+    async def _drop(self, client: aetcd.Client) -> None:
+        """Close ``client`` and move on to the next endpoint, unless another caller whose call
+        failed on the same client already did (two failures must not skip a good member)."""
+        if self._client is client:
+            await self.close()
+            self._index = (self._index + 1) % len(self._endpoints)
 
     # -- reads -------------------------------------------------------------------------------
 

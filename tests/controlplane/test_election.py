@@ -93,3 +93,42 @@ async def test_store_fails_over_to_a_live_endpoint_and_reports_when_none_is(
             await nowhere.get(keys.PREFIX + "x")
     finally:
         await nowhere.close()
+
+
+async def test_a_call_cancelled_by_another_caller_closing_the_channel_is_retried(
+    etcd: EtcdServer,
+) -> None:
+    """The leader's keep-alive and its window pass share one store: when one call fails and
+    closes the channel, gRPC cancels the other's call.  That must read as a failed call (and
+    be retried), never as the caller's own cancellation, which ended the election for good."""
+    store = Store([etcd.url])
+    try:
+        await store.put("/t/a", b"1")
+        calls = [asyncio.create_task(store.get_prefix("/t/")) for _ in range(5)]
+        await asyncio.sleep(0)  # the calls are in flight on the channel ...
+        await store.close()  # ... which another caller closes
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, list) and len(r) == 1 for r in results), results
+    finally:
+        await store.close()
+
+
+async def test_the_election_survives_leader_work_that_ends_cancelled(etcd: EtcdServer) -> None:
+    store = Store([etcd.url])
+    election = Election(store=store, identity="c0", ttl_s=2, clock=WallClock())
+    runs: list[Fence] = []
+
+    async def work(fence: Fence) -> None:
+        runs.append(fence)
+        if len(runs) == 1:
+            raise asyncio.CancelledError  # as a gRPC call cancelled under it would
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(election.run(work))
+    try:
+        await _until(lambda: len(runs) >= 2 and election.leading, 15)
+        assert not task.done()
+    finally:
+        await cancel_all([task])
+        await election.resign()
+        await store.close()
