@@ -23,8 +23,16 @@ blocks (and its last block); where a node drops out, it probes the at most k-1 b
 for the last blocks of shorter prompts, so a conversation's next turn still finds the whole of
 its previous prompt.  A reported depth is never deeper than the true one (the node held that
 block) and at most k-1 blocks shallower (the stride block at or below the true depth is indexed).
+
+A stride alone never sees a shared prefix shorter than k blocks that no routed prompt ended on:
+a short system prompt followed by different user messages.  So the first ``dense_head_blocks``
+blocks of every prompt are indexed densely (every block), and the stride applies after them
+(at blocks ``k-1, 2k-1, ...`` past the head).  Within the head a match is exact; beyond it the
+bound above holds.  The head costs at most ``dense_head_blocks`` entries per distinct prompt
+head, and prompts that share their head share those entries.
+
 An entry costs the agent about :data:`ENTRY_BYTES` (a node or two per entry, CPython 3.11), so
-the default 200,000 entries at stride 32 cover 6.4M blocks, in about 65 MiB.
+the default 200,000 entries at stride 32 cover up to 6.4M blocks, in about 65 MiB.
 
 Not thread-safe, no I/O, no clock: every call takes ``now`` in seconds on the caller's clock.
 """
@@ -44,20 +52,31 @@ dict with one node's float (measured with tracemalloc on 200k entries: 340-400 b
 
 class PrefixIndex:
     """Chained block hash → {node: last seen}, LRU-bounded to ``capacity_blocks`` entries,
-    one entry per ``stride_blocks`` blocks of a prompt (and its last block)."""
+    one entry per block of a prompt's first ``dense_head_blocks``, then one per
+    ``stride_blocks`` blocks (and its last block)."""
 
-    __slots__ = ("_capacity_blocks", "_entries", "_stride", "_ttl_s")
+    __slots__ = ("_capacity_blocks", "_entries", "_head", "_stride", "_ttl_s")
 
-    def __init__(self, *, capacity_blocks: int, ttl_s: float, stride_blocks: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        capacity_blocks: int,
+        ttl_s: float,
+        stride_blocks: int = 1,
+        dense_head_blocks: int = 0,
+    ) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be at least 1; got {capacity_blocks}")
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive; got {ttl_s}")
         if stride_blocks < 1:
             raise ValueError(f"stride_blocks must be at least 1; got {stride_blocks}")
+        if dense_head_blocks < 0:
+            raise ValueError(f"dense_head_blocks must not be negative; got {dense_head_blocks}")
         self._capacity_blocks = capacity_blocks
         self._ttl_s = ttl_s
         self._stride = stride_blocks
+        self._head = dense_head_blocks
         # Oldest touch first.  The inner dicts hold one timestamp per node (a handful of nodes).
         self._entries: OrderedDict[int, dict[NodeId, float]] = OrderedDict()
 
@@ -74,10 +93,11 @@ class PrefixIndex:
         return self._capacity_blocks * ENTRY_BYTES
 
     def _positions(self, length: int) -> list[int]:
-        """Indexed block positions of a prompt of ``length`` blocks: every stride-th, and the
-        last."""
-        k = self._stride
-        positions = list(range(k - 1, length, k))
+        """Indexed block positions of a prompt of ``length`` blocks: every one in the dense
+        head, then every stride-th past it, and the last."""
+        head, k = min(self._head, length), self._stride
+        positions = list(range(head))
+        positions += range(head + k - 1, length, k)
         if length and (not positions or positions[-1] != length - 1):
             positions.append(length - 1)
         return positions

@@ -84,6 +84,11 @@ class RoutingConfig:
     """Index every this-many-th block of a prompt, and its last one (``PrefixIndex``): a
     match is then found to within this many blocks (512 tokens at 16-token blocks), never
     deeper than the truth, and exact for a prompt that extends a routed one."""
+    prefix_dense_head_blocks: int = 32
+    """Index every one of a prompt's first this-many blocks before the stride starts, so that a
+    shared prefix this short (512 tokens at 16-token blocks: a system prompt) is matched exactly
+    even when no routed prompt ended on it; 0 strides from the first block.  Costs at most this
+    many entries per distinct prompt head."""
     prefix_ttl_s: float = 120.0
     """A node's claim on a block older than this is ignored (peers evict every 60-120 s)."""
 
@@ -607,6 +612,7 @@ class _Indexed(_Base):
             capacity_blocks=config.prefix_capacity_blocks,
             ttl_s=config.prefix_ttl_s,
             stride_blocks=config.prefix_stride_blocks,
+            dense_head_blocks=config.prefix_dense_head_blocks,
         )
 
     def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:

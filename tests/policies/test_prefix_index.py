@@ -177,6 +177,31 @@ def test_a_stride_reports_the_estimated_memory() -> None:
     assert index.capacity_bytes() == 1000 * ENTRY_BYTES
 
 
+def test_a_dense_head_indexes_every_block_then_strides() -> None:
+    index = PrefixIndex(capacity_blocks=100, ttl_s=60, stride_blocks=8, dense_head_blocks=4)
+    index.insert(chain(*range(20)), A, now=0)  # blocks 0-3, 11, 19
+    assert len(index) == 6
+    assert index.match(chain(*range(3), 99), now=1) == {A: 3}  # in the head: exact
+    assert index.match(chain(*range(10), 99), now=1) == {A: 4}  # true 10: the head's 4
+    assert index.match(chain(*range(13), 99), now=1) == {A: 12}  # true 13: one block lost
+    assert index.match(chain(*range(25)), now=1) == {A: 20}
+
+
+def test_a_dense_head_finds_a_short_shared_system_prompt() -> None:
+    """A 19-block system prompt, then different user messages: no prompt ends on it."""
+    system = tuple(range(19))
+    for head, found in ((32, {A: 19}), (0, {})):
+        index = PrefixIndex(capacity_blocks=100, ttl_s=60, stride_blocks=32, dense_head_blocks=head)
+        index.insert(chain(*system, *range(100, 113)), A, now=0)
+        index.insert(chain(*range(50, 90)), B, now=0)
+        assert index.match(chain(*system, *range(200, 214)), now=1) == found
+
+
+def test_a_negative_dense_head_is_refused() -> None:
+    with pytest.raises(ValueError, match="dense_head_blocks"):
+        PrefixIndex(capacity_blocks=1, ttl_s=1, dense_head_blocks=-1)
+
+
 def test_a_zero_stride_is_refused() -> None:
     with pytest.raises(ValueError, match="stride_blocks"):
         PrefixIndex(capacity_blocks=1, ttl_s=1, stride_blocks=0)
@@ -197,17 +222,26 @@ def _common(a: list[int], b: list[int]) -> int:
     inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), _tokens), max_size=10),
     query=_tokens,
     stride=st.integers(min_value=1, max_value=6),
+    head=st.integers(min_value=0, max_value=8),
     capacity=st.integers(min_value=1, max_value=40),
 )
 def test_a_stride_is_never_deeper_than_the_truth_and_loses_under_a_stride(
-    inserts: list[tuple[NodeId, list[int]]], query: list[int], stride: int, capacity: int
+    inserts: list[tuple[NodeId, list[int]]],
+    query: list[int],
+    stride: int,
+    head: int,
+    capacity: int,
 ) -> None:
     """With chained hashes, a node's true depth is the longest common prefix of the query with
     a prompt routed to it.  The strided index never reports more; without eviction it reports
-    at least the true depth less ``stride - 1``, and the true depth itself when the query
-    extends a routed prompt."""
-    strided = PrefixIndex(capacity_blocks=10_000, ttl_s=1e9, stride_blocks=stride)
-    bounded = PrefixIndex(capacity_blocks=capacity, ttl_s=1e9, stride_blocks=stride)
+    the true depth itself when that is within the dense head or the query extends a routed
+    prompt, and otherwise at least the true depth less ``stride - 1``."""
+    strided = PrefixIndex(
+        capacity_blocks=10_000, ttl_s=1e9, stride_blocks=stride, dense_head_blocks=head
+    )
+    bounded = PrefixIndex(
+        capacity_blocks=capacity, ttl_s=1e9, stride_blocks=stride, dense_head_blocks=head
+    )
     for t, (node, tokens) in enumerate(inserts):
         strided.insert(chain(*tokens), node, now=t)
         bounded.insert(chain(*tokens), node, now=t)
@@ -224,6 +258,8 @@ def test_a_stride_is_never_deeper_than_the_truth_and_loses_under_a_stride(
     for node, depth in truth.items():
         got = matched.get(node, 0)
         assert depth - (stride - 1) <= got <= depth
+        if depth <= head:
+            assert got == depth
         if node in exact and depth == max(
             len(t) for n, t in inserts if n == node and _common(t, query) == len(t)
         ):

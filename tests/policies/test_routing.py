@@ -331,6 +331,32 @@ def test_the_default_stride_finds_a_conversations_previous_turn_exactly() -> Non
     assert decision.expected_hit_tokens == 40 * 16
 
 
+def test_the_dense_head_finds_a_short_shared_system_prompt_exactly() -> None:
+    """A 19-block system prompt (304 tokens) followed by different user messages: no routed
+    prompt ends on it, so a stride alone (32) never sees it; the dense head (32) matches all
+    19 blocks and sends the next conversation to the node that has it."""
+    system = tuple(range(19))
+    first = blocks(*system, *range(100, 113))  # 32 blocks: its stride block is its own
+    second = blocks(*system, *range(200, 214))
+    request = req(block_hashes=second, prompt_tokens=len(second) * 16)
+    nodes = [node("a", telemetry=tel(waiting=2)), node("b")]  # a miss goes to idle "b"
+    assert CONFIG.prefix_dense_head_blocks == 32
+    for config, node_id, hit in (
+        (CONFIG, "a", 19),
+        (routing.RoutingConfig(prefix_dense_head_blocks=0), "b", 0),  # stride only: not found
+    ):
+        policy = routing.create("meridian", config)
+        routed(policy, first, "a")
+        decision = choose(policy, request, nodes)
+        assert (decision.node, decision.expected_hit_tokens) == (node_id, hit * 16)
+
+
+def test_config_refuses_a_negative_dense_head() -> None:
+    assert routing.RoutingConfig(prefix_dense_head_blocks=0).prefix_dense_head_blocks == 0
+    with pytest.raises(ValueError, match="prefix_dense_head_blocks"):
+        routing.RoutingConfig(prefix_dense_head_blocks=-1)
+
+
 def test_config_refuses_a_zero_stride() -> None:
     with pytest.raises(ValueError, match="prefix_stride_blocks"):
         routing.RoutingConfig(prefix_stride_blocks=0)
