@@ -45,6 +45,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -147,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="index every k-th prompt block and the last (default RoutingConfig's, 32)",
     )
+    f.add_argument(
+        "--prefix-dense-head-blocks",
+        type=_nonneg_int,
+        help="index every one of a prompt's first blocks before the stride (default "
+        "RoutingConfig's, 32; 0: stride from the first block)",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed for routing and scrape phases")
     f.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -182,6 +198,7 @@ def _prefix_overrides(args: argparse.Namespace) -> dict[str, int]:
     given = {
         "prefix_capacity_blocks": args.prefix_capacity_blocks,
         "prefix_stride_blocks": args.prefix_stride_blocks,
+        "prefix_dense_head_blocks": args.prefix_dense_head_blocks,
     }
     return {k: v for k, v in given.items() if v is not None}
 
