@@ -139,3 +139,11 @@ def test_the_prefix_stride_is_a_routing_tuning_and_is_checked() -> None:
     assert settings.Settings().routing.config().prefix_stride_blocks == 32
     with pytest.raises(ValueError, match="prefix_stride_blocks"):
         settings.Settings(routing={"tuning": {"prefix_stride_blocks": 0}})  # type: ignore[arg-type]
+
+
+def test_the_prefix_dense_head_is_a_routing_tuning_and_is_checked() -> None:
+    tuned = settings.Settings(routing={"tuning": {"prefix_dense_head_blocks": 0}})
+    assert tuned.routing.config().prefix_dense_head_blocks == 0
+    assert settings.Settings().routing.config().prefix_dense_head_blocks == 32
+    with pytest.raises(ValueError, match="prefix_dense_head_blocks"):
+        settings.Settings(routing={"tuning": {"prefix_dense_head_blocks": -1}})
