@@ -179,10 +179,19 @@ class RetrySettings(_Group):
 class UpstreamSettings(_Group):
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a node")
     first_byte_timeout_s: float = Field(
-        300.0, gt=0, description="time allowed for a node's response headers (seconds)"
+        300.0,
+        gt=0,
+        description=(
+            "time a node gets to start answering, from sending the request: its headers and any"
+            " silence before the first token (queue wait and prefill) (seconds)"
+        ),
     )
     read_timeout_s: float = Field(
-        60.0, gt=0, description="longest silence inside a streaming response (seconds)"
+        60.0,
+        gt=0,
+        description=(
+            "longest silence inside a response once it is older than first_byte_timeout_s (seconds)"
+        ),
     )
 
 

@@ -4,6 +4,18 @@ Every aiohttp or timeout error is translated here, once, into the agent's errors
 
 - cannot connect, reset before the response, timeout before the headers → ``UpstreamUnavailable``
   (retryable);
+
+Timeouts of a POST to a node, each named in the error it raises:
+
+- ``connect_timeout_s``: opening the TCP connection.
+- ``first_byte_timeout_s``: from sending the request, the time the node gets to start answering,
+  both to send its response headers and, after them, the first bytes of the body.  vLLM sends a
+  stream's headers at once and then nothing until the first token, so a queued request's wait
+  and its prefill are silence inside the stream: this budget covers them, however long
+  ``read_timeout_s`` is.
+- ``read_timeout_s``: the longest silence between two reads of the body once the request is
+  older than ``first_byte_timeout_s`` (a node stuck mid-generation).
+
 - an error status → ``UpstreamStatus`` carrying the node's body (retryable for 5xx and 429);
 - a broken stream after the headers → ``UpstreamUnavailable`` raised from the chunk iterator
   (the proxy knows whether bytes already reached the client, and so whether it may retry);
@@ -35,15 +47,38 @@ def _why(exc: BaseException) -> str:
 class UpstreamResponse:
     """A node's response whose headers have arrived; iterate its body chunk by chunk."""
 
-    def __init__(self, node_id: str, response: aiohttp.ClientResponse) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        response: aiohttp.ClientResponse,
+        *,
+        first_byte_deadline: float,
+        read_timeout_s: float,
+    ) -> None:
         self.node_id = node_id
         self._response = response
+        self._first_byte_deadline = first_byte_deadline  # loop time
+        self._read_timeout_s = read_timeout_s
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/octet-stream")
 
+    async def _next(self) -> bytes:
+        """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
+        left_s = self._first_byte_deadline - asyncio.get_running_loop().time()
+        limit_s = max(self._read_timeout_s, left_s)
+        try:
+            async with asyncio.timeout(limit_s):
+                return await self._response.content.readany()
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                f"node {self.node_id} sent nothing for {limit_s:.3g} s (read_timeout_s "
+                f"{self._read_timeout_s:g} s, after first_byte_timeout_s)",
+                node_id=self.node_id,
+            ) from None
+
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._response.content.iter_any():
+            while chunk := await self._next():
                 yield chunk
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
@@ -51,22 +86,27 @@ class UpstreamResponse:
             ) from exc
 
     async def read(self) -> bytes:
+        parts: list[bytes] = []
         try:
-            return await self._response.read()
+            while chunk := await self._next():
+                parts.append(chunk)
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
                 f"node {self.node_id} broke the response: {_why(exc)}", node_id=self.node_id
             ) from exc
+        return b"".join(parts)
 
 
 class NodeClient:
     def __init__(
         self, *, connect_timeout_s: float, first_byte_timeout_s: float, read_timeout_s: float
     ) -> None:
+        self._connect_timeout_s = connect_timeout_s
         self._first_byte_timeout_s = first_byte_timeout_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=connect_timeout_s, sock_read=read_timeout_s
-        )
+        self._read_timeout_s = read_timeout_s
+        # sock_read would also bound the wait for the headers and for the first token; the
+        # body's silences are timed by UpstreamResponse instead (module docstring).
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=None)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -134,9 +174,22 @@ class NodeClient:
 
         Leaving the block early closes the connection, which makes vLLM abort the request.
         """
+        deadline = asyncio.get_running_loop().time() + self._first_byte_timeout_s
         try:
-            async with asyncio.timeout(self._first_byte_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 response = await self.session.post(url, data=body, headers=dict(headers))
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise UpstreamUnavailable(
+                f"node {node_id}: POST {url} could not connect within connect_timeout_s "
+                f"{self._connect_timeout_s:g} s",
+                node_id=node_id,
+            ) from exc
+        except TimeoutError as exc:
+            raise UpstreamUnavailable(
+                f"node {node_id}: POST {url} got no response headers within "
+                f"first_byte_timeout_s {self._first_byte_timeout_s:g} s",
+                node_id=node_id,
+            ) from exc
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
                 f"node {node_id}: POST {url} failed: {_why(exc)}", node_id=node_id
@@ -154,7 +207,12 @@ class NodeClient:
                     body=payload,
                     content_type=response.headers.get("Content-Type", "application/json"),
                 )
-            yield UpstreamResponse(node_id, response)
+            yield UpstreamResponse(
+                node_id,
+                response,
+                first_byte_deadline=deadline,
+                read_timeout_s=self._read_timeout_s,
+            )
         finally:
             if response.content.at_eof():
                 response.release()  # fully read: the connection goes back to the pool

@@ -616,3 +616,32 @@ async def test_drain_timeout_cuts_a_stuck_request_and_retries_it_elsewhere(
     assert nodes[stuck]["admin"] == "drained"
     assert nodes[spare]["requests_total"] == 1
     assert await _metric(spare, "vllm:request_success_total") == 1
+
+
+async def test_a_slow_first_token_is_not_cut_by_the_read_timeout(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """A long prefill on a loaded node is silence before the first token, not a dead stream:
+    only ``first_byte_timeout_s`` bounds it; ``read_timeout_s`` is for silences after that."""
+    (url,) = await _nodes(sim_node, 1)
+    handle = await start_agent(
+        [url], upstream={"first_byte_timeout_s": 20.0, "read_timeout_s": 0.2}
+    )
+    async with aiohttp.ClientSession() as s:
+        await s.post(f"{url}/admin/faults", json={"latency_multiplier": 200.0})
+        async with _client(handle.url, timeout=30) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": LONG_PROMPT}],
+                max_tokens=1,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            started = asyncio.get_running_loop().time()
+            text = ""
+            async for chunk in stream:
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+            took_s = asyncio.get_running_loop().time() - started
+        await s.delete(f"{url}/admin/faults")
+    assert text
+    assert took_s > 0.4  # the first token really came after more than twice read_timeout_s
