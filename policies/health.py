@@ -39,6 +39,14 @@ ejected over the cap stays where it is (HEALTHY, or PROBATION with its single sl
 reason says so; it is ejected at its next failure once a place is free.  UNHEALTHY nodes do not
 count against the cap: a failing ``/health`` is not an outlier verdict.
 
+**Panic** (:func:`panic`, Envoy's panic threshold): when fewer than ``panic_threshold`` (default
+0.5; 0 turns it off) of the active (not draining) nodes are routable (HEALTHY or PROBATION),
+health verdicts are more likely wrong than the fleet: slow probes on a loaded host, or one bad
+signal shared by every node.  Then :func:`routing_views` routes over every active node as if it
+were HEALTHY (full share, no probation limit) rather than squeezing all traffic onto the few left
+or refusing it.  Draining nodes are never routed to, panic or not.  A node that is really dead
+fails its requests, which the proxy retries on another node.
+
 **Slow start** (:meth:`NodeHealth.slow_start`): after a node (re)becomes HEALTHY — from
 UNHEALTHY or from PROBATION — its share of traffic ramps linearly from 0.1 to 1.0 over
 ``slow_start_s``.  A node that the agent meets healthy at start-up (``warm=True``) gets no ramp:
@@ -56,11 +64,11 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
-from policies.model import Health, NodeId
+from policies.model import AdminState, Health, NodeId, NodeView
 
 SLOW_START_FLOOR: Final = 0.1
 _EPSILON: Final = 1e-9  # so that 0.29 of 100 nodes is 29, not 28.999999999999996 -> 28
@@ -84,6 +92,7 @@ class HealthConfig:
     slow_start_s: float = 30.0  # ramp from 0.1 to 1.0 over this long; 0 turns slow start off
     latency_window: int = 64  # last successes kept per node (at least latency_min_samples)
     latency_min_peers: int = 2  # peers with enough samples needed to call a node slow
+    panic_threshold: float = 0.5  # below this fraction routable: route to all (0 turns it off)
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -103,6 +112,8 @@ class HealthConfig:
             raise ValueError(
                 f"max_ejected_fraction must be within 0..1, got {self.max_ejected_fraction}"
             )
+        if not 0 <= self.panic_threshold <= 1:
+            raise ValueError(f"panic_threshold must be within 0..1, got {self.panic_threshold}")
         if not self.latency_outlier_factor > 1:
             raise ValueError(
                 f"latency_outlier_factor must be > 1, got {self.latency_outlier_factor}"
@@ -152,6 +163,52 @@ def may_eject(states: Collection[Health], *, max_fraction: float) -> bool:
     """Whether one more node of a pool whose nodes are in ``states`` may be EJECTED now."""
     ejected = sum(1 for s in states if s is Health.EJECTED)
     return ejected < ejection_limit(len(states), max_fraction=max_fraction)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Panic:
+    """Whether the pool is in panic: ``routable`` of its ``active`` (not draining) nodes are
+    HEALTHY or PROBATION, against ``threshold`` of them."""
+
+    active: bool
+    routable: int
+    eligible: int
+    threshold: float
+    reason: str
+
+
+def panic(nodes: Sequence[NodeView], *, threshold: float) -> Panic:
+    """Panic when fewer than ``threshold`` of the active nodes are routable (see the module
+    docstring); never with ``threshold`` 0 or without active nodes."""
+    eligible = [n for n in nodes if n.admin is AdminState.ACTIVE]
+    routable = sum(1 for n in eligible if n.routable)
+    share = routable / len(eligible) if eligible else 1.0
+    active = bool(eligible) and threshold > 0 and share + _EPSILON < threshold
+    verdict = "panic: routing to every active node as if healthy" if active else "no panic"
+    reason = (
+        f"{verdict} ({routable} of {len(eligible)} active nodes routable, "
+        f"{share:.0%} against a threshold of {threshold:.0%})"
+    )
+    return Panic(
+        active=active,
+        routable=routable,
+        eligible=len(eligible),
+        threshold=threshold,
+        reason=reason,
+    )
+
+
+def routing_views(nodes: Sequence[NodeView], decision: Panic) -> list[NodeView]:
+    """``nodes`` as routing should see them: unchanged without panic; in panic every active
+    node that is not HEALTHY is shown HEALTHY with a full share (draining nodes unchanged)."""
+    if not decision.active:
+        return list(nodes)
+    return [
+        replace(n, health=Health.HEALTHY, slow_start=1.0)
+        if n.admin is AdminState.ACTIVE and n.health is not Health.HEALTHY
+        else n
+        for n in nodes
+    ]
 
 
 def detect_latency_outliers(

@@ -105,9 +105,17 @@ def describe(agent: Agent, node: Node) -> dict[str, Any]:
 
 async def list_nodes(request: web.Request) -> web.Response:
     agent = _authorize(request)
+    panic = agent.pool.panic(now=agent.clock.now())
     return web.json_response(
         {
             "policy": agent.dispatcher.policy.name,
+            "panic": {
+                "active": panic.active,
+                "routable": panic.routable,
+                "eligible": panic.eligible,
+                "threshold": panic.threshold,
+                "reason": panic.reason,
+            },
             "nodes": [describe(agent, n) for n in agent.pool],
         }
     )

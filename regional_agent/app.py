@@ -46,7 +46,7 @@ def create_app(
     settings: Settings, *, clock: Clock | None = None, seed: int | None = None
 ) -> web.Application:
     clock = clock or MonotonicClock()
-    pool = NodePool()
+    pool = NodePool(panic_threshold=settings.health.panic_threshold)
     for node_settings in settings.nodes:
         pool.add(make_node(node_settings, default_slots=settings.queue.slots_per_node))
     client = NodeClient(
@@ -94,7 +94,10 @@ def create_app(
         scraper=scraper,
         health=monitor,
         instruments=Instruments(
-            console_spans=settings.otel.console_spans, queue_depths=depths, in_flight=in_flight
+            console_spans=settings.otel.console_spans,
+            queue_depths=depths,
+            in_flight=in_flight,
+            panic=lambda: pool.panic(now=clock.now()).active,
         ),
         budget=admission.RetryBudget(
             ratio=settings.retry.budget_ratio, min_per_s=settings.retry.budget_min_per_s

@@ -3,18 +3,26 @@ accounting of what it has in flight there.
 
 Health and telemetry live with their owners (``health.HealthMonitor``,
 ``telemetry.Scraper``); :meth:`NodePool.views` joins all three into the frozen
-``policies.model.NodeView`` snapshots that routing decides over.  Whoever changes something a
+``policies.model.NodeView`` snapshots that routing decides over.  When fewer than
+``panic_threshold`` of the active nodes are routable, the pool is in panic
+(``policies.health.panic``) and :meth:`NodePool.views` shows every active node as healthy;
+:meth:`NodePool.observed` and :meth:`NodePool.serving` always tell the observed health.  Entering
+and leaving panic is logged once each, as a WARNING.  Whoever changes something a
 waiting request could be routed on calls :meth:`NodePool.notify`, which wakes the queue.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from policies import health as health_policy
 from policies.model import AdminState, Health, NodeId, NodeView, Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class TelemetrySource(Protocol):
@@ -61,10 +69,12 @@ class _Unknown:
 
 
 class NodePool:
-    def __init__(self) -> None:
+    def __init__(self, *, panic_threshold: float = 0.0) -> None:
         self._nodes: dict[NodeId, Node] = {}
         self.telemetry: TelemetrySource = _Unknown()
         self.health: HealthSource = _Unknown()
+        self.panic_threshold = panic_threshold  # 0: never panic (health.panic_threshold)
+        self._panic: health_policy.Panic | None = None  # the last verdict
         self._listeners: list[Callable[[], None]] = []
 
     # -- membership ------------------------------------------------------------------------
@@ -99,14 +109,36 @@ class NodePool:
         return frozenset(out)
 
     def views(self, *, now: float) -> list[NodeView]:
+        """What routing decides over: :meth:`observed`, or in panic every active node as
+        healthy."""
+        observed = self.observed(now=now)
+        return health_policy.routing_views(observed, self._judge_panic(observed))
+
+    def observed(self, *, now: float) -> list[NodeView]:
+        """Every node with its observed health (never adjusted for panic)."""
         return [self.view(node, now=now) for node in self._nodes.values()]
+
+    def panic(self, *, now: float) -> health_policy.Panic:
+        """Whether the pool is in panic now, with the counts and a reason."""
+        return self._judge_panic(self.observed(now=now))
+
+    def _judge_panic(self, observed: list[NodeView]) -> health_policy.Panic:
+        decision = health_policy.panic(observed, threshold=self.panic_threshold)
+        before = self._panic
+        self._panic = decision
+        if decision.active != (before is not None and before.active):
+            if decision.active:
+                log.warning('health panic entered reason="%s"', decision.reason)
+            elif before is not None:
+                log.warning('health panic left reason="%s"', decision.reason)
+        return decision
 
     def serving(self, *, now: float) -> list[NodeView]:
         """Views of the nodes that count as the region's serving capacity: active (not
         draining) and healthy (not on probation, ejected or failing probes)."""
         return [
             v
-            for v in self.views(now=now)
+            for v in self.observed(now=now)
             if v.admin is AdminState.ACTIVE and v.health is Health.HEALTHY
         ]
 

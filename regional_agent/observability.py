@@ -89,6 +89,7 @@ class Instruments:
         console_spans: bool,
         queue_depths: Callable[[], Mapping[str, int]],
         in_flight: Callable[[], Mapping[str, int]],
+        panic: Callable[[], bool] | None = None,
     ) -> None:
         resource = Resource.create({"service.name": "meridian-agent"})
         self.registry = CollectorRegistry()
@@ -175,6 +176,18 @@ class Instruments:
             callbacks=[in_flight_cb],
             description="Requests the agent has in flight on each node.",
         )
+        if panic is not None:
+            in_panic = panic
+
+            def panic_cb(_: CallbackOptions) -> Iterable[Observation]:
+                return [Observation(1 if in_panic() else 0)]
+
+            meter.create_observable_gauge(
+                "meridian_agent_health_panic",
+                callbacks=[panic_cb],
+                description="1 while fewer than health.panic_threshold of the active nodes are "
+                "routable and the agent routes to all of them as if healthy, else 0.",
+            )
         self._traces = TracerProvider(resource=resource)
         if console_spans:
             self._traces.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))

@@ -146,6 +146,15 @@ class HealthSettings(_Group):
     slow_start_s: float = Field(
         30.0, ge=0, description="after (re)admission, traffic ramps up over this many seconds"
     )
+    panic_threshold: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "when fewer than this fraction of active nodes are routable, route to every active"
+            " node as if healthy (panic, as Envoy); 0 turns it off"
+        ),
+    )
     drain_timeout_s: float = Field(
         60.0,
         gt=0,

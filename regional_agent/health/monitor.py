@@ -48,6 +48,7 @@ def config_from(settings: HealthSettings) -> health.HealthConfig:
         latency_outlier_min_s=settings.latency_outlier_min_s,
         latency_min_samples=settings.latency_min_samples,
         slow_start_s=settings.slow_start_s,
+        panic_threshold=settings.panic_threshold,
     )
 
 

@@ -22,9 +22,12 @@ from regional_agent.settings import HealthSettings
 from regional_agent.upstream.client import NodeClient
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
+from tests.support.agent import ADMIN, AgentFactory, admin_nodes, metric, openai_client
 from tests.support.ports import free_port
 
 MONITOR_LOG = "regional_agent.health.monitor"
+POOL_LOG = "regional_agent.nodes"
+MODEL = "tiny-model"
 SETTINGS = HealthSettings(
     probe_interval_s=0.05,
     probe_timeout_s=1.0,
@@ -349,3 +352,74 @@ async def test_a_probe_round_drops_nodes_removed_without_forget(
     for _ in range(SETTINGS.eject_consecutive_errors):
         monitor.record(kept, ok=False, ttft_s=None, now=clock.now())
     assert monitor.state(kept, now=clock.now()) is Health.EJECTED
+
+
+# -- panic -------------------------------------------------------------------------------------
+
+
+async def _until(pool: NodePool, done: Callable[[], bool], *, timeout_s: float = 10) -> None:
+    """Wait until ``done()``, looking again at every change the pool is notified of."""
+    changed = asyncio.Event()
+    pool.subscribe(changed.set)
+    async with asyncio.timeout(timeout_s):
+        while not done():
+            await changed.wait()
+            changed.clear()
+
+
+async def test_panic_routes_over_nodes_whose_probes_fail(
+    sim_node: NodeFactory, start_agent: AgentFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The benchmark's finding: probes fail on most nodes (a loaded host) while they serve fine.
+    Below ``panic_threshold`` routable, the agent routes to all of them and says so."""
+    caplog.set_level(logging.WARNING, logger=POOL_LOG)
+    urls = [await sim_node(profile_name="cpu-tiny", time_scale=20, seed=i) for i in range(4)]
+    handle = await start_agent(
+        urls,
+        policy="round_robin",
+        health={"unhealthy_after": 2, "healthy_after": 2, "panic_threshold": 0.5},
+    )
+    for url in urls[1:]:
+        await _faults(url, {"fail_health": True})
+    agent = handle.agent
+    pool, clock = agent.pool, agent.clock
+    await _until(pool, lambda: sum(v.routable for v in pool.observed(now=clock.now())) == 1)
+    async with openai_client(handle.url) as client:
+        for _ in range(8):
+            reply = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+            assert reply.choices[0].text
+    nodes = await admin_nodes(handle.url, ADMIN)
+    assert [nodes[u]["health"]["state"] for u in urls] == ["healthy"] + ["unhealthy"] * 3
+    assert all(int(nodes[u]["requests_total"]) > 0 for u in urls)  # not squeezed onto one
+    async with aiohttp.ClientSession() as s, s.get(f"{handle.url}/admin/nodes", headers=ADMIN) as r:
+        panic = (await r.json())["panic"]
+    assert panic["active"] is True and panic["routable"] == 1 and panic["eligible"] == 4
+    assert await metric(handle.url, "meridian_agent_health_panic") == 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == POOL_LOG]
+    assert len(warnings) == 1 and warnings[0].startswith("health panic entered")
+
+    for url in urls[1:]:
+        await _faults(url, None)
+    await _until(agent.pool, lambda: not agent.pool.panic(now=agent.clock.now()).active)
+    assert await metric(handle.url, "meridian_agent_health_panic") == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == POOL_LOG]
+    assert len(warnings) == 2 and warnings[1].startswith("health panic left")
+
+
+async def test_without_panic_traffic_is_squeezed_onto_the_healthy_node(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    urls = [await sim_node(profile_name="cpu-tiny", time_scale=20, seed=i) for i in range(3)]
+    handle = await start_agent(
+        urls, policy="round_robin", health={"unhealthy_after": 2, "panic_threshold": 0.0}
+    )
+    for url in urls[1:]:
+        await _faults(url, {"fail_health": True})
+    agent = handle.agent
+    pool, clock = agent.pool, agent.clock
+    await _until(pool, lambda: sum(v.routable for v in pool.views(now=clock.now())) == 1)
+    async with openai_client(handle.url) as client:
+        for _ in range(4):
+            await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    nodes = await admin_nodes(handle.url, ADMIN)
+    assert [int(nodes[u]["requests_total"]) for u in urls] == [4, 0, 0]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import health
-from policies.model import Health, NodeId
+from policies.model import AdminState, Health, NodeId, NodeView
 
 H, P, E, U = Health.HEALTHY, Health.PROBATION, Health.EJECTED, Health.UNHEALTHY
 
@@ -482,3 +482,97 @@ def test_invariants(
                 assert isinstance(until, float)
                 assert now < until <= now + max_s
                 assert until - float(view["since"]) <= max_s + 1e-9  # type: ignore[arg-type]
+
+
+# -- panic -------------------------------------------------------------------------------------
+
+ACTIVE, DRAINING = AdminState.ACTIVE, AdminState.DRAINING
+
+
+def _views(*nodes: tuple[AdminState, Health]) -> list[NodeView]:
+    return [
+        NodeView(
+            node_id=NodeId(f"n{i}"),
+            models=frozenset({"m"}),
+            admin=admin,
+            health=state,
+            slow_start=health.SLOW_START_FLOOR if state is not H else 1.0,
+        )
+        for i, (admin, state) in enumerate(nodes)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "threshold", "active"),
+    [
+        ([(ACTIVE, H)] * 8, 0.5, False),
+        ([(ACTIVE, H)] * 4 + [(ACTIVE, U)] * 4, 0.5, False),  # exactly half: no panic
+        ([(ACTIVE, H)] * 3 + [(ACTIVE, U)] * 5, 0.5, True),
+        ([(ACTIVE, H)] + [(ACTIVE, U)] * 7, 0.5, True),  # the benchmark: 7 of 8 unhealthy
+        ([(ACTIVE, U)] * 8, 0.5, True),
+        ([(ACTIVE, U)] * 8, 0.0, False),  # 0 turns panic off
+        ([(ACTIVE, P), (ACTIVE, E)], 0.5, False),  # probation is routable
+        ([(ACTIVE, E)] * 3 + [(ACTIVE, H)], 0.5, True),  # ejected is not
+        ([(ACTIVE, H)] * 2 + [(DRAINING, U)] * 6, 0.5, False),  # draining nodes do not count
+        ([(DRAINING, H)] * 3, 0.5, False),  # no active node: nothing to panic over
+        ([], 0.5, False),
+        ([(ACTIVE, H)] * 7 + [(ACTIVE, U)] * 3, 0.71, True),  # Envoy's ~71 %
+        ([(ACTIVE, H)] * 71 + [(ACTIVE, U)] * 29, 0.71, False),  # 71 of 100 is not below 71 %
+        ([(ACTIVE, H)] * 2, 1.0, False),
+        ([(ACTIVE, H), (ACTIVE, U)], 1.0, True),
+    ],
+)
+def test_panic(nodes: list[tuple[AdminState, Health]], threshold: float, active: bool) -> None:
+    decision = health.panic(_views(*nodes), threshold=threshold)
+    assert decision.active is active
+    assert decision.eligible == sum(1 for admin, _ in nodes if admin is ACTIVE)
+    assert decision.reason.startswith("panic" if active else "no panic")
+
+
+def test_routing_views_in_panic_show_active_nodes_healthy_and_keep_drained_out() -> None:
+    views = _views((ACTIVE, H), (ACTIVE, U), (ACTIVE, E), (ACTIVE, P), (DRAINING, U))
+    decision = health.panic(views, threshold=0.6)
+    assert decision.active and decision.routable == 2 and decision.eligible == 4
+    routed = health.routing_views(views, decision)
+    assert [v.health for v in routed] == [H, H, H, H, U]
+    assert [v.routable for v in routed] == [True, True, True, True, False]
+    assert all(v.slow_start == 1.0 and v.has_slot for v in routed[:4])
+    assert routed[0] is views[0] and routed[4] is views[4]
+
+
+def test_routing_views_without_panic_are_unchanged() -> None:
+    views = _views((ACTIVE, H), (ACTIVE, U))
+    decision = health.panic(views, threshold=0.5)
+    assert not decision.active
+    assert health.routing_views(views, decision) == views
+
+
+def test_panic_threshold_is_validated() -> None:
+    with pytest.raises(ValueError, match="panic_threshold"):
+        health.HealthConfig(panic_threshold=1.5)
+    with pytest.raises(ValueError, match="panic_threshold"):
+        health.HealthConfig(panic_threshold=-0.1)
+
+
+@given(
+    nodes=st.lists(
+        st.tuples(st.sampled_from([ACTIVE, DRAINING]), st.sampled_from([H, P, E, U])),
+        max_size=20,
+    ),
+    threshold=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_panic_invariants(nodes: list[tuple[AdminState, Health]], threshold: float) -> None:
+    views = _views(*nodes)
+    decision = health.panic(views, threshold=threshold)
+    routed = health.routing_views(views, decision)
+    assert [v.node_id for v in routed] == [v.node_id for v in views]
+    for before, after in zip(views, routed, strict=True):
+        if before.admin is DRAINING:  # never routed to, panic or not
+            assert not after.routable
+        if before.routable:
+            assert after.routable
+    if decision.active:  # every active node may take requests
+        assert all(v.routable for v in routed if v.admin is ACTIVE)
+        assert decision.routable < threshold * decision.eligible
+    elif decision.eligible and threshold > 0:
+        assert decision.routable >= threshold * decision.eligible - 1e-9
