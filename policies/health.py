@@ -5,7 +5,7 @@ One :class:`NodeHealth` per node combines two kinds of evidence:
 
 * **Active probes** (``GET /health``): ``unhealthy_after`` consecutive failures make the node
   UNHEALTHY; ``healthy_after`` consecutive good probes bring it back (HAProxy's 3 down / 2 up,
-  with our defaults 2 / 2).  A probe failure in between resets the run.
+  with our defaults 3 / 2).  A probe failure in between resets the run.
 * **Passive outlier detection** (every upstream attempt the proxy makes): after
   ``eject_consecutive_errors`` consecutive failed requests (connect error, 5xx, timeout,
   garbage) the node is EJECTED for ``min(eject_base_s * n, eject_max_s)``, where ``n`` counts
@@ -80,7 +80,7 @@ class HealthConfig:
     except ``latency_window`` and ``latency_min_peers`` (policy defaults) and the shell-only
     probe cadence and drain timeout."""
 
-    unhealthy_after: int = 2  # consecutive failed probes before UNHEALTHY
+    unhealthy_after: int = 3  # consecutive failed probes before UNHEALTHY
     healthy_after: int = 2  # consecutive good probes before HEALTHY again
     eject_consecutive_errors: int = 5  # consecutive failed requests that eject a node
     eject_base_s: float = 30.0  # the first ejection lasts this long; the n-th n times as long

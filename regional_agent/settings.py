@@ -121,8 +121,13 @@ class TelemetrySettings(_Group):
 
 class HealthSettings(_Group):
     probe_interval_s: float = Field(1.0, gt=0, description="seconds between active /health probes")
-    probe_timeout_s: float = Field(1.0, gt=0, description="timeout of one probe, seconds")
-    unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before unhealthy")
+    # 3 s and 3 failures: a loaded node, or an agent whose event loop stalls, must not flap out
+    # of the pool (1 s and 2 failures marked 7 of 8 busy nodes unhealthy in a benchmark).  A dead
+    # node is still out within probe_interval_s * 3 + probe_timeout_s (about 6 s), and under
+    # traffic sooner: its refused connections fail at once, count towards
+    # eject_consecutive_errors and are retried on another node, whatever the probes say.
+    probe_timeout_s: float = Field(3.0, gt=0, description="timeout of one probe, seconds")
+    unhealthy_after: int = Field(3, ge=1, description="consecutive failed probes before unhealthy")
     healthy_after: int = Field(2, ge=1, description="consecutive good probes before healthy again")
     eject_consecutive_errors: int = Field(
         5, ge=1, description="consecutive failed requests (5xx, reset, timeout) that eject a node"

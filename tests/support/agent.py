@@ -25,7 +25,8 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # Fast loops for tests; every other setting is the default.
 FAST: dict[str, Any] = {
     "telemetry": {"scrape_interval_s": 0.1, "stale_after_s": 1.0, "models_refresh_s": 1.0},
-    "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5},
+    # unhealthy_after 2 (the default is 3): tests that wait for a node to go down stay quick
+    "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "unhealthy_after": 2},
 }
 
 
