@@ -85,6 +85,13 @@ def spawn(name: str, argv: Sequence[str], logdir: Path) -> Child:
     return Child(name=name, proc=proc, stderr_path=stderr_path)
 
 
+def spawn_node(i: int, *, profile: str, time_scale: float, logdir: Path) -> Child:
+    """``meridian-sim node`` number ``i`` (seeded by ``i``) on a free loopback port."""
+    argv = ["-m", "simulator.cli", "node", "--port", "0", "--profile", profile, "--time-scale",
+            f"{time_scale:g}", "--seed", str(i), "--log-level", "WARNING"]  # fmt: skip
+    return spawn(f"node{i}", argv, logdir)
+
+
 def wait_ready(child: Child, *, timeout_s: float = _START_TIMEOUT_S) -> str:
     """Read the child's stdout until ``READY http://...``; return the URL."""
     assert child.proc.stdout is not None
@@ -527,25 +534,7 @@ def main() -> int:
         logdir = Path(tmp)
         try:
             nodes = [
-                spawn(
-                    f"node{i}",
-                    [
-                        "-m",
-                        "simulator.cli",
-                        "node",
-                        "--port",
-                        "0",
-                        "--profile",
-                        args.profile,
-                        "--time-scale",
-                        f"{args.time_scale:g}",
-                        "--seed",
-                        str(i),
-                        "--log-level",
-                        "WARNING",
-                    ],
-                    logdir,
-                )
+                spawn_node(i, profile=args.profile, time_scale=args.time_scale, logdir=logdir)
                 for i in range(args.nodes)
             ]
             children += nodes

@@ -360,24 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for i in range(args.nodes):
                 children.append(
-                    ao.spawn(
-                        f"node{i}",
-                        [
-                            "-m",
-                            "simulator.cli",
-                            "node",
-                            "--port",
-                            "0",
-                            "--profile",
-                            args.profile,
-                            "--time-scale",
-                            f"{args.time_scale:g}",
-                            "--seed",
-                            str(i),
-                            "--log-level",
-                            "WARNING",
-                        ],
-                        logdir,
+                    ao.spawn_node(
+                        i, profile=args.profile, time_scale=args.time_scale, logdir=logdir
                     )
                 )
             node_urls = [ao.wait_ready(c) for c in children]
