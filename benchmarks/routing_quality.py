@@ -378,30 +378,6 @@ def start_router(
     )
 
 
-async def wait_routing(session: aiohttp.ClientSession, url: str, model: str) -> None:
-    """Until a tiny request through the router succeeds (routers learn worker health first)."""
-    body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    ).encode()
-    deadline = time.monotonic() + 60
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            async with session.post(
-                url + "/v1/chat/completions",
-                data=body,
-                headers={"Content-Type": "application/json"},
-            ) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(0.3)
-    raise SystemExit(f"{url}: not routing after 60 s ({last})")
-
-
 # -- the benchmark ------------------------------------------------------------------------------
 
 
@@ -483,7 +459,7 @@ async def run_all(
                 n += len(loads)
                 continue
             try:
-                await wait_routing(session, router.url, args.model)
+                await ao.wait_serving(session, router.url, model=args.model, timeout_s=60)
                 for load in loads:
                     n += 1
                     # target wall rate: load x capacity (simulated req/s) x time scale
