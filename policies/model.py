@@ -56,6 +56,7 @@ class NodeView:
     weight: float = 1.0  # relative capacity (mixed GPU types); > 0
     in_flight: int = 0  # requests the agent has sent and not seen finish
     in_flight_tokens: int = 0  # prompt + max_tokens of those requests
+    prefill_tokens: int = 0  # uncached prompt tokens of those not yet at their first token
     slots: int = 64  # most requests the agent keeps in flight on this node
     slow_start: float = 1.0  # 0..1: share of full traffic while warming up after admission
     telemetry: Telemetry | None = None  # None: unknown (never scraped, or stale)

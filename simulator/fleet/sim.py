@@ -12,11 +12,12 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
   its own accounting and its own telemetry.  What an agent knows of a node is what
   ``regional_agent.nodes.NodePool.view`` gives the policy: ``in_flight`` and
   ``in_flight_tokens`` (prompt plus ``max_tokens``), counted when the agent sends a request and
-  released when its last token arrives; ``slots`` per node; and the last scrape of the node's
-  ``running``, ``waiting`` and ``kv_util``, or ``None`` before the first scrape and once older
-  than ``stale_after_s``.  Scrapes of a region's nodes happen together every
-  ``scrape_interval_s`` (the scraper's tick), at a random phase per region; with
-  ``scrape_interval_s = 0`` every decision sees the live engine state ("fresh").
+  released when its last token arrives; ``prefill_tokens`` (the prompt less the policy's
+  ``expected_hit_tokens``), released when its first token arrives; ``slots`` per node; and
+  the last scrape of the node's ``running``, ``waiting`` and ``kv_util``, or ``None`` before
+  the first scrape and once older than ``stale_after_s``.  Scrapes of a region's nodes happen
+  together every ``scrape_interval_s`` (the scraper's tick), at a random phase per region;
+  with ``scrape_interval_s = 0`` every decision sees the live engine state ("fresh").
 - **The central queue**, as ``regional_agent.queue.dispatcher``: a request is routed when it
   arrives if nobody waits ahead of it; otherwise, or when the policy finds no free slot, it
   waits, first come first served (traces carry one priority class), until a slot frees or a
@@ -141,6 +142,8 @@ class _Node:
         "in_flight_tokens",
         "index",
         "node_id",
+        "prefill",
+        "prefill_tokens",
         "region",
         "result",
         "scrape",
@@ -155,6 +158,8 @@ class _Node:
         self.busy = False
         self.in_flight = 0
         self.in_flight_tokens = 0
+        self.prefill_tokens = 0  # uncached prompt tokens routed here, not yet at a first token
+        self.prefill: dict[str, int] = {}  # request id -> its share of prefill_tokens
         self.scrape: tuple[float, int, int, float] | None = None  # taken_s, running, waiting, kv
         self.view: NodeView | None = None  # cached; None: rebuild
         self.result: StepResult | None = None  # the step in progress, landing at its end
@@ -421,6 +426,7 @@ class Fleet:
             models=frozenset((MODEL,)),
             in_flight=node.in_flight,
             in_flight_tokens=node.in_flight_tokens,
+            prefill_tokens=node.prefill_tokens,
             slots=cfg.slots_per_node,
             telemetry=telemetry,
         )
@@ -435,6 +441,9 @@ class Fleet:
         node = region.by_id[decision.node]
         node.in_flight += 1
         node.in_flight_tokens += request.prompt_tokens + request.max_tokens
+        pending = max(0, request.prompt_tokens - decision.expected_hit_tokens)
+        node.prefill[str(i)] = pending
+        node.prefill_tokens += pending
         node.view = None
         region.policy.observe_routed(request, decision.node, now=now)
         self._dispatched[i] = now
@@ -485,6 +494,11 @@ class Fleet:
         self._push(now + result.duration_s, _STEP_END, node.index)
 
     def _step_end(self, node: _Node, result: StepResult, now: float) -> int:
+        if node.prefill:
+            for event in result.tokens:
+                if event.index == 0:
+                    node.prefill_tokens -= node.prefill.pop(event.request_id, 0)
+                    node.view = None
         for rec in result.finished:
             i = int(rec.request_id)
             self._records[i] = rec

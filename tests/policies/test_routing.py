@@ -80,6 +80,8 @@ def test_create_names_the_valid_policies_for_an_unknown_name() -> None:
         ("session_load_bound_factor", 0.9),
         ("slow_start_floor", 0.0),
         ("meridian_queue_weight", -1.0),
+        ("meridian_prefill_weight", -1.0),
+        ("meridian_prefill_norm_tokens", 0),
     ],
 )
 def test_config_refuses_values_out_of_range(field: str, value: float) -> None:
@@ -501,6 +503,39 @@ def test_meridian_weighs_tokens_in_flight_per_unit_of_weight() -> None:
     assert choose(routing.create("meridian", CONFIG), req(), nodes).node == "a"
 
 
+@pytest.mark.parametrize(
+    ("prefill_ahead", "expected"),
+    [(0, "a"), (4_000, "a"), (8_000, "a"), (16_000, "b"), (40_000, "b")],
+)
+def test_meridian_weighs_the_prefill_queued_ahead_against_a_cached_prefix(
+    prefill_ahead: int, expected: str
+) -> None:
+    # a 4096-token prompt whole in a's cache: a saves 4096 tokens of prefill (0.5 at the
+    # default 8192-token norm) and earns the whole-prompt credit (1.0), so a wins until the
+    # prefill queued ahead of it there costs more than 1.5, i.e. past about 12k tokens
+    policy = routing.create("meridian", CONFIG)
+    hashes = blocks(*range(8))
+    routed(policy, hashes, "a")
+    request = req(prompt_tokens=4096, block_hashes=hashes, block_tokens=512)
+    nodes = [node("a", in_flight=1, prefill_tokens=prefill_ahead), node("b", in_flight=1)]
+    decision = choose(policy, request, nodes)
+    assert decision.node == expected
+    if expected == "a":
+        assert decision.reason.endswith(f"prefill ahead {prefill_ahead}")
+
+
+def test_meridian_prefill_term_is_off_at_weight_zero() -> None:
+    config = routing.RoutingConfig(meridian_prefill_weight=0.0)
+    nodes = [node("a", prefill_tokens=1_000_000), node("b")]
+    picks = {
+        choose(routing.create("meridian", config), req(), nodes, seed=s).node for s in range(30)
+    }
+    assert picks == {"a", "b"}
+    assert {
+        choose(routing.create("meridian", CONFIG), req(), nodes, seed=s).node for s in range(30)
+    } == {"b"}
+
+
 def test_meridian_breaks_exact_ties_with_the_rng() -> None:
     nodes = [node("a"), node("b"), node("c")]
     picks = {
@@ -536,6 +571,7 @@ def _pools(draw: st.DrawFn) -> list[NodeView]:
             weight=draw(st.floats(0.1, 10.0)),
             in_flight=draw(st.integers(0, 4)),
             in_flight_tokens=draw(st.integers(0, 20_000)),
+            prefill_tokens=draw(st.integers(0, 20_000)),
             slots=draw(st.integers(0, 10)),
             slow_start=draw(st.floats(0.0, 1.0)),
             telemetry=draw(_telemetry),

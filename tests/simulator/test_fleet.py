@@ -96,6 +96,20 @@ def test_policies_see_the_last_scrape_not_the_live_engine() -> None:
     assert sim._node_views(region, 14.5)[0].telemetry is None
 
 
+def test_prefill_ahead_is_counted_until_the_first_token() -> None:
+    requests = workloads.scale_to_rate(_sessions(), rate_per_s=10.0)[:40]
+    sim = Fleet(H100, requests, fleet.FleetConfig(nodes=2, scrape_interval_s=0))
+    region = sim._regions[0]
+    assert sim._try_route(region, 0, 0.0)
+    routed = next(n for n in region.nodes if n.in_flight == 1)
+    assert routed.prefill_tokens == requests[0].input_length  # nothing cached yet
+    assert sim._node_views(region, 0.0)[routed.index].prefill_tokens == requests[0].input_length
+    done = Fleet(H100, requests, fleet.FleetConfig(nodes=2, scrape_interval_s=0))
+    result = done.run()
+    assert result.summary["completed"] == len(requests)
+    assert all(n.prefill_tokens == 0 and not n.prefill for n in done._nodes)
+
+
 def test_full_queue_and_deadline_refuse_with_reasons() -> None:
     burst = [
         workloads.TraceRequest(
