@@ -598,23 +598,25 @@ async def _stream(
             chunk["usage"] = usage
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-    if call.chat:
-        await send(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
-        )
     sent = 0
     drop_after = state.faults.drop_after_tokens
     while True:
         item = await queue.get()
         if isinstance(item, RequestRecord):
             break
+        if call.chat and sent == 0:
+            # as vLLM: the role chunk goes out with the first engine output, not before the
+            # prefill, so a proxy's first byte is the first token
+            await send(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         if call.chat:
             await send(
                 [
