@@ -95,6 +95,7 @@ def describe(agent: Agent, node: Node) -> dict[str, Any]:
         "group": node.group or node.node_id,
         "in_flight": node.in_flight,
         "in_flight_tokens": node.in_flight_tokens,
+        "prefill_tokens": node.prefill_tokens,
         "requests_total": node.requests_total,
         "errors_total": node.errors_total,
         "health": agent.health.describe(node.node_id, now=now),

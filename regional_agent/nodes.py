@@ -47,6 +47,7 @@ class Node:
     drain_started_s: float | None = None
     in_flight: int = 0
     in_flight_tokens: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens of requests in flight without a first token
     requests_total: int = 0
     errors_total: int = 0
     decisions: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
@@ -151,6 +152,7 @@ class NodePool:
             weight=node.weight,
             in_flight=node.in_flight,
             in_flight_tokens=node.in_flight_tokens,
+            prefill_tokens=node.prefill_tokens,
             slots=node.slots,
             slow_start=self.health.slow_start(node.node_id, now=now),
             telemetry=self.telemetry.snapshot(node.node_id, now=now),
@@ -158,17 +160,28 @@ class NodePool:
 
     # -- the agent's own accounting ----------------------------------------------------------
 
-    def acquire(self, node_id: NodeId, *, tokens: int) -> None:
+    def acquire(self, node_id: NodeId, *, tokens: int, prefill: int = 0) -> None:
+        """A request was sent to ``node_id``: ``tokens`` (prompt + max_tokens) in flight, of
+        which ``prefill`` prompt tokens the node has to compute before its first token."""
         node = self._nodes[node_id]
         node.in_flight += 1
         node.in_flight_tokens += tokens
+        node.prefill_tokens += prefill
         node.requests_total += 1
 
-    def release(self, node_id: NodeId, *, tokens: int, failed: bool) -> None:
+    def first_token(self, node_id: NodeId, *, prefill: int) -> None:
+        """The request's first token arrived: its ``prefill`` is done."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.prefill_tokens -= prefill
+
+    def release(self, node_id: NodeId, *, tokens: int, failed: bool, prefill: int = 0) -> None:
+        """The request ended; ``prefill``: what is left of it (no first token was seen)."""
         node = self._nodes.get(node_id)
         if node is not None:
             node.in_flight -= 1
             node.in_flight_tokens -= tokens
+            node.prefill_tokens -= prefill
             if failed:
                 node.errors_total += 1
         self.notify()

@@ -366,6 +366,7 @@ async def _relay_stream(
             f"node {lease.node_id} sent an empty stream", node_id=lease.node_id
         ) from None
     now = time.monotonic()
+    lease.first_token()
     agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=agent.clock.now())
     agent.instruments.record_ttft(now - arrived)
     response = web.StreamResponse(

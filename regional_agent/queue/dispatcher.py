@@ -39,11 +39,18 @@ class Lease:
     node_id: NodeId
     decision: Decision
     tokens: int
+    prefill_tokens: int  # uncached prompt tokens counted on the node until the first token
     queue_wait_s: float
     policy: str
     _dispatcher: Dispatcher
     released: bool = False
     timeout: asyncio.Timeout | None = None  # set by the proxy; drain reschedules it
+
+    def first_token(self) -> None:
+        """The node sent the first token: the prefill counted for this request is done."""
+        if not self.released and self.prefill_tokens:
+            self._dispatcher._pool.first_token(self.node_id, prefill=self.prefill_tokens)
+            self.prefill_tokens = 0
 
     def release(self, *, failed: bool = False) -> None:
         if not self.released:
@@ -202,7 +209,8 @@ class Dispatcher:
         decision = self.policy.choose(request, views, now=now, rng=self._rng)
         if decision.node is None:
             return None
-        self._pool.acquire(decision.node, tokens=tokens)
+        prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
+        self._pool.acquire(decision.node, tokens=tokens, prefill=prefill)
         self.policy.observe_routed(request, decision.node, now=now)
         node = self._pool.get(decision.node)
         if node is not None:
@@ -212,6 +220,7 @@ class Dispatcher:
             node_id=decision.node,
             decision=decision,
             tokens=tokens,
+            prefill_tokens=prefill,
             queue_wait_s=now - enqueued_s,
             policy=self.policy.name,
             _dispatcher=self,
@@ -225,7 +234,10 @@ class Dispatcher:
             held.discard(lease)
             if not held:
                 del self._leases[lease.node_id]
-        self._pool.release(lease.node_id, tokens=lease.tokens, failed=failed)  # notifies: pump
+        self._pool.release(
+            lease.node_id, tokens=lease.tokens, failed=failed, prefill=lease.prefill_tokens
+        )  # notifies: pump
+        lease.prefill_tokens = 0
 
     def _abandon(self, seq: int, future: asyncio.Future[Lease]) -> None:
         """A waiter gave up; if it was routed in the meantime, give the slot back."""

@@ -618,6 +618,49 @@ async def test_drain_timeout_cuts_a_stuck_request_and_retries_it_elsewhere(
     assert await _metric(spare, "vllm:request_success_total") == 1
 
 
+async def test_prefill_ahead_is_counted_until_the_first_token(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """``prefill_tokens``: the uncached prompt of a request sent to a node is counted there
+    until its first token (what the meridian policy weighs), then released."""
+    (url,) = await _nodes(sim_node, 1)
+    handle = await start_agent([url], policy="meridian")
+    async with aiohttp.ClientSession() as s:
+        await s.post(f"{url}/admin/faults", json={"latency_multiplier": 300.0})
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": LONG_PROMPT}],
+            "max_tokens": 3,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        first_byte = asyncio.Event()
+
+        async def stream() -> None:
+            async with s.post(f"{handle.url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for _ in r.content.iter_any():
+                    first_byte.set()
+
+        task = asyncio.create_task(stream())
+        seen: dict[str, object] = {}
+        while not first_byte.is_set() and not seen:
+            (node,) = (await _admin_nodes(handle)).values()
+            if node["in_flight"] == 1:
+                seen = node
+            await asyncio.sleep(0.01)
+        assert int(seen["prefill_tokens"]) > 300  # type: ignore[call-overload]  # ~400 tokens
+        await first_byte.wait()
+        (node,) = (await _admin_nodes(handle)).values()
+        assert node["prefill_tokens"] == 0  # first token in, the request still streaming
+        await task
+        await s.delete(f"{url}/admin/faults")
+        async with s.post(f"{handle.url}/v1/chat/completions", json={**body, "stream": False}) as r:
+            assert r.status == 200
+    (node,) = (await _admin_nodes(handle)).values()
+    assert (node["in_flight"], node["prefill_tokens"]) == (0, 0)
+
+
 async def test_a_slow_first_token_is_not_cut_by_the_read_timeout(
     sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:
@@ -630,6 +673,7 @@ async def test_a_slow_first_token_is_not_cut_by_the_read_timeout(
     async with aiohttp.ClientSession() as s:
         await s.post(f"{url}/admin/faults", json={"latency_multiplier": 200.0})
         async with _client(handle.url, timeout=30) as client:
+            started = asyncio.get_running_loop().time()
             stream = await client.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": LONG_PROMPT}],
@@ -637,7 +681,6 @@ async def test_a_slow_first_token_is_not_cut_by_the_read_timeout(
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            started = asyncio.get_running_loop().time()
             text = ""
             async for chunk in stream:
                 text += "".join(c.delta.content or "" for c in chunk.choices)
