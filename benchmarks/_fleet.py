@@ -85,6 +85,70 @@ def capacity(trace: Path, profile_name: str) -> float:
     return workloads.node_capacity_rps(prof, workloads.read_trace(trace))
 
 
+def _task_key(
+    section: str, policy: str, nodes: int, load: float, scrape: float, window: Any
+) -> tuple[Any, ...]:
+    return (section, policy, int(nodes), float(load), float(scrape), window)
+
+
+def reusable(
+    tasks: Sequence[Task],
+    previous: Path,
+    *,
+    rerun: set[str],
+    capacity_rps: float,
+    trace: Path,
+    same: dict[str, Any],
+) -> dict[int, dict[str, Any]]:
+    """Rows of an earlier run (its JSON) that stand for ``tasks`` of a policy not in ``rerun``:
+    same section, policy, size, load, scrape interval and window, same trace, measured capacity
+    and ``same`` settings (keys of its ``meta``).  Runs are deterministic (seed 0, one region
+    here), so a policy whose code did not change gives the same row again; reused rows are
+    marked ``reused_from`` with the earlier run's date."""
+    data = json.loads(previous.read_text())
+    meta = data["meta"]
+    for key, value in same.items():
+        if meta.get(key) != value:
+            raise SystemExit(f"--reuse {previous}: its {key} is {meta.get(key)!r}, not {value!r}")
+    if abs(float(meta["node_capacity_rps"]) - capacity_rps) > 1e-9:
+        raise SystemExit(
+            f"--reuse {previous}: its node capacity {meta['node_capacity_rps']} differs from "
+            f"this run's {capacity_rps}; pass --capacity-rps {meta['node_capacity_rps']} or "
+            "rerun everything"
+        )
+    if Path(meta["trace"]).name != trace.name:
+        raise SystemExit(f"--reuse {previous}: it ran on {meta['trace']}, not {trace}")
+    when = meta.get("machine", {}).get("date", str(previous))
+    by = {
+        _task_key(r["section"], r["policy"], r["nodes"], r["load"], r["scrape_interval_s"],
+                  r["window_s"]): r
+        for r in data["rows"]
+        if int(r.get("regions", 1)) == 1
+    }  # fmt: skip
+    out: dict[int, dict[str, Any]] = {}
+    for i, t in enumerate(tasks):
+        if t.policy in rerun or t.seed != 0 or t.regions != 1:
+            continue
+        row = by.get(_task_key(t.section, t.policy, t.nodes, t.load, t.scrape_interval_s,
+                               t.window_s))  # fmt: skip
+        if row is not None:
+            out[i] = {**row, "reused_from": row.get("reused_from", when)}
+    return out
+
+
+def reuse_note(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A markdown line naming the rows taken from earlier runs (``--reuse``), if any."""
+    reused = [r for r in rows if "reused_from" in r]
+    if not reused:
+        return []
+    policies = ", ".join(sorted({str(r["policy"]) for r in reused}))
+    dates = ", ".join(sorted({str(r["reused_from"]) for r in reused}))
+    return [
+        f"{len(reused)} of {len(rows)} rows ({policies}) are reused from the run of {dates}.",
+        "",
+    ]
+
+
 def run_all(
     tasks: Sequence[Task],
     *,
@@ -93,17 +157,24 @@ def run_all(
     capacity_rps: float,
     jobs: int,
     partial: Path | None = None,
+    reused: dict[int, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every task, ``jobs`` at a time, printing progress on stderr; rows in task order.
     ``partial``: rewritten after every run with the rows so far (a long run can be read early).
+    ``reused``: rows by task index (:func:`reusable`) that are not run again.
     """
     started = time.monotonic()
     rows: list[dict[str, Any] | None] = [None] * len(tasks)
+    for i, row in (reused or {}).items():
+        rows[i] = row
+    todo = [(i, t) for i, t in enumerate(tasks) if rows[i] is None]
+    if reused:
+        print(f"reusing {len(reused)} rows; running {len(todo)}", file=sys.stderr, flush=True)
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(
         jobs, initializer=_init, initargs=(str(trace), profile_name, capacity_rps)
     ) as pool:
-        results = pool.imap_unordered(_indexed, list(enumerate(tasks)))
+        results = pool.imap_unordered(_indexed, todo)
         for done, (i, row) in enumerate(results, start=1):
             rows[i] = row
             t = tasks[i]
@@ -111,7 +182,7 @@ def run_all(
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps([r for r in rows if r is not None], indent=1))
             print(
-                f"[{done}/{len(tasks)} {time.monotonic() - started:.0f} s] {t.section} "
+                f"[{done}/{len(todo)} {time.monotonic() - started:.0f} s] {t.section} "
                 f"{t.policy} n={t.nodes} load={t.load} scrape={t.scrape_interval_s}: "
                 f"ttft p99 {row['ttft_p99_s']:.3f} s, hit {row['prefix_hit_rate']:.3f}, "
                 f"{row['requests']} req in {row['wall_s']:.0f} s",

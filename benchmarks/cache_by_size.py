@@ -43,6 +43,15 @@ def main() -> int:
     p.add_argument("--window-s", type=float, default=None, help="virtual seconds of arrivals")
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
+    p.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier run's JSON: take its rows for the policies not in --rerun",
+    )
+    p.add_argument(
+        "--rerun", default="", help="policies to run again with --reuse (changed since it)"
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -69,6 +78,20 @@ def main() -> int:
     print(f"cache_by_size: {len(tasks)} runs on {args.jobs} processes", file=sys.stderr)
     cap = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
     print(f"cache_by_size: one node's capacity {cap:.3f} requests/s", file=sys.stderr)
+    reused = None
+    if args.reuse is not None:
+        reused = _fleet.reusable(
+            tasks,
+            args.reuse,
+            rerun=set(args.rerun.split(",")) - {""},
+            capacity_rps=cap,
+            trace=args.trace,
+            same={
+                "min_requests": min_requests,
+                "profile": args.profile,
+                "target_window_s": target_window,
+            },
+        )
     rows = _fleet.run_all(
         tasks,
         trace=args.trace,
@@ -76,6 +99,7 @@ def main() -> int:
         capacity_rps=cap,
         jobs=args.jobs,
         partial=args.out_dir / "cache_by_size.partial.json",
+        reused=reused,
     )
     meta = {
         "trace": str(args.trace),
@@ -90,6 +114,7 @@ def main() -> int:
         "quick": q,
         "machine": _fleet.machine(),
         "command": " ".join(sys.argv),
+        "reused_rows": sum(1 for r in rows if "reused_from" in r),
     }
     md = render(rows, meta, sizes=sizes, target_sizes=target_sizes)
     _fleet.write(args.out_dir, "cache_by_size", meta, rows, md)
@@ -112,6 +137,7 @@ def render(
         f"80 % load, scrape every {SCRAPE_S} s; window {meta['window_s']} s of arrivals, at "
         f"least {meta['min_requests']} requests.",
         "",
+        *_fleet.reuse_note(rows),
         "| GPUs | policy | requests | TTFT mean | TTFT p50 | TTFT p99 | e2e p99 | prefix hit |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]

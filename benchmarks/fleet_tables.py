@@ -60,6 +60,15 @@ def main() -> int:
     )
     p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
     p.add_argument("--no-grid", action="store_true", help="the claim check only")
+    p.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier run's JSON: take its rows for the policies not in --rerun",
+    )
+    p.add_argument(
+        "--rerun", default="", help="policies to run again with --reuse (changed since it)"
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -89,6 +98,16 @@ def main() -> int:
     print(f"fleet_tables: {len(tasks)} runs on {args.jobs} processes", file=sys.stderr)
     cap = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
     print(f"fleet_tables: one node's capacity {cap:.3f} requests/s", file=sys.stderr)
+    reused = None
+    if args.reuse is not None:
+        reused = _fleet.reusable(
+            tasks,
+            args.reuse,
+            rerun=set(args.rerun.split(",")) - {""},
+            capacity_rps=cap,
+            trace=args.trace,
+            same={"min_requests": min_requests, "profile": args.profile},
+        )
     rows = _fleet.run_all(
         tasks,
         trace=args.trace,
@@ -96,6 +115,7 @@ def main() -> int:
         capacity_rps=cap,
         jobs=args.jobs,
         partial=args.out_dir / "fleet_tables.partial.json",
+        reused=reused,
     )
     meta = {
         "trace": str(args.trace),
@@ -110,6 +130,7 @@ def main() -> int:
         "quick": q,
         "machine": _fleet.machine(),
         "command": " ".join(sys.argv),
+        "reused_rows": sum(1 for r in rows if "reused_from" in r),
     }
     md = render(rows, meta, sizes=sizes, loads=loads, stale=stale)
     _fleet.write(args.out_dir, "fleet_tables", meta, rows, md)
@@ -136,6 +157,7 @@ def render(
         f"Command: `{meta['command']}`; node capacity {meta['node_capacity_rps']:.3f} req/s; "
         f"window {meta['window_s']} s of arrivals, at least {meta['min_requests']} requests.",
         "",
+        *_fleet.reuse_note(rows),
         "Times in ms; queue wait = agent queue + engine queue until first scheduled.",
         "",
     ]
