@@ -4,7 +4,8 @@ meridian-sim node --port 8001 --profile h100-llama3-8b [--model NAME] [--time-sc
                   [--seed N] [--host 127.0.0.1] [--legacy-metrics]
 meridian-sim profiles
 meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
-                   [--scrape-interval-s S] [--profile NAME] [--duration-s D] [--json FILE]
+                   [--agents-per-region A] [--scrape-interval-s S] [--profile NAME]
+                   [--duration-s D] [--json FILE]
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--regions", type=_positive_int, default=1, help="regions (default 1)")
     f.add_argument(
+        "--agents-per-region",
+        type=int,
+        default=1,
+        help="agent replicas per region, each with its own policy, queue and in-flight counts; "
+        "a session sticks to one (default 1)",
+    )
+    f.add_argument(
         "--scrape-interval-s",
         type=_nonneg_float,
         default=0.25,
@@ -211,6 +219,7 @@ def _fleet(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             policy=args.policy,
             regions=args.regions,
+            agents_per_region=args.agents_per_region,
             scrape_interval_s=args.scrape_interval_s,
             stale_after_s=args.stale_after_s,
             slots_per_node=args.slots,

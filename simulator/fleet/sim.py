@@ -7,29 +7,36 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
   then) and its results — tokens, finished requests — land when it ends; the next step starts
   at once while work remains, as in the offline replay.  An idle node starts a step as soon as
   a request reaches it.
-- **Regional agents.**  Each region has its own agent: the routing policy from
-  ``policies.routing.create`` (or :class:`~simulator.fleet.oracle.Oracle`), the central queue,
-  its own accounting and its own telemetry.  What an agent knows of a node is what
-  ``regional_agent.nodes.NodePool.view`` gives the policy: ``in_flight`` and
-  ``in_flight_tokens`` (prompt plus ``max_tokens``), counted when the agent sends a request and
-  released when its last token arrives; ``prefill_tokens`` (the prompt less the policy's
-  ``expected_hit_tokens``), released when its first token arrives; ``slots`` per node; and
-  the last scrape of the node's ``running``, ``waiting`` and ``kv_util``, or ``None`` before
-  the first scrape and once older than ``stale_after_s``.  Scrapes of a region's nodes happen
-  together every ``scrape_interval_s`` (the scraper's tick), at a random phase per region;
-  with ``scrape_interval_s = 0`` every decision sees the live engine state ("fresh").
-- **The central queue**, as ``regional_agent.queue.dispatcher``: a request is routed when it
-  arrives if nobody waits ahead of it; otherwise, or when the policy finds no free slot, it
-  waits, first come first served (traces carry one priority class), until a slot frees or a
+- **Regional agents.**  Each region has ``agents_per_region`` agent replicas (default one).
+  Each agent has its own routing policy from ``policies.routing.create`` (or
+  :class:`~simulator.fleet.oracle.Oracle`) with its own rotation, prefix index and rng, its own
+  central queue, its own accounting and its own telemetry.  What an agent knows of a node is
+  what ``regional_agent.nodes.NodePool.view`` gives the policy: ``in_flight`` and
+  ``in_flight_tokens`` (prompt plus ``max_tokens``), counted when *this agent* sends a request
+  and released when its last token arrives; ``prefill_tokens`` (the prompt less the policy's
+  ``expected_hit_tokens``), released when its first token arrives; ``slots`` per node, a cap on
+  this agent's own ``in_flight``; and the agent's last scrape of the node's ``running``,
+  ``waiting`` and ``kv_util``, or ``None`` before its first scrape and once older than
+  ``stale_after_s``.  Replicas share no counts: a node's requests from the other agents of its
+  region show only in the engine's own figures, through a scrape.  Each agent scrapes all of
+  its region's nodes together every ``scrape_interval_s`` (its scraper's tick), at its own
+  random phase; with ``scrape_interval_s = 0`` every decision sees the live engine state
+  ("fresh").
+- **The central queue**, one per agent, as ``regional_agent.queue.dispatcher``: a request is
+  routed when it arrives if nobody waits ahead of it; otherwise, or when the policy finds no
+  free slot, it waits, first come first served (traces carry one priority class), until a slot
+  frees on a node of its region (every agent of the region with a queue is woken) or its agent's
   scrape lands; past ``max_depth`` waiting it is refused (the agent's 429), and after
   ``deadline_s`` in the queue it is dropped (504).  Prefix routing learns from
   ``observe_routed`` exactly as the agent does.
 
 Requests go to a region by a stable hash of their session (the trace's session key, else the
-conversation's first own block id), as DNS steering keeps a client in one region.  Nothing
-crosses regions.  Not modelled: network and proxy latency (zero), health, failures, drains,
-slow start, retries, the scrape's own latency, per-request output-length sampling (every
-request generates exactly its trace ``output_length``).
+conversation's first own block id), as DNS steering keeps a client in one region, and within it
+to an agent by another, independent hash of the same key, as a load balancer with session
+stickiness in front of the replicas would.  Nothing crosses regions.  Not modelled: network and
+proxy latency (zero), health, failures, drains, slow start, retries, the scrape's own latency,
+per-request output-length sampling (every request generates exactly its trace
+``output_length``).
 
 Every request ends exactly once: finished by its node, or refused (``queue_full``,
 ``deadline``, ``too_large``) with the reason.
@@ -75,6 +82,8 @@ class FleetConfig:
     nodes: int
     policy: str = "meridian"
     regions: int = 1
+    agents_per_region: int = 1
+    """Agent replicas per region, each with its own policy, queue, counts and scrapes."""
     scrape_interval_s: float = 0.25
     """Seconds between telemetry scrapes (the agent's default); 0: fresh, live state."""
     stale_after_s: float | None = None
@@ -91,6 +100,8 @@ class FleetConfig:
             raise FleetError(f"nodes must be at least 1, got {self.nodes}")
         if not 1 <= self.regions <= self.nodes:
             raise FleetError(f"regions must be 1..nodes ({self.nodes}), got {self.regions}")
+        if self.agents_per_region < 1:
+            raise FleetError(f"agents_per_region must be at least 1, got {self.agents_per_region}")
         if self.policy not in POLICIES:
             raise FleetError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES)}")
         if self.scrape_interval_s < 0:
@@ -115,6 +126,7 @@ class Outcome:
 
     index: int
     region: int
+    agent: int  # the agent of its region that took it, 0..agents_per_region-1
     node: str | None  # None: refused
     refused: str | None  # queue_full, deadline, too_large
     arrival_s: float
@@ -135,62 +147,90 @@ class FleetResult:
 
 
 class _Node:
-    __slots__ = (
-        "busy",
-        "engine",
-        "in_flight",
-        "in_flight_tokens",
-        "index",
-        "node_id",
-        "prefill",
-        "prefill_tokens",
-        "region",
-        "result",
-        "scrape",
-        "view",
-    )
+    __slots__ = ("busy", "engine", "index", "node_id", "pos", "region", "result")
 
-    def __init__(self, *, index: int, node_id: NodeId, region: int, engine: Engine) -> None:
-        self.index = index
+    def __init__(
+        self, *, index: int, pos: int, node_id: NodeId, region: int, engine: Engine
+    ) -> None:
+        self.index = index  # in the fleet
+        self.pos = pos  # in its region
         self.node_id = node_id
         self.region = region
         self.engine = engine
         self.busy = False
-        self.in_flight = 0
-        self.in_flight_tokens = 0
-        self.prefill_tokens = 0  # uncached prompt tokens routed here, not yet at a first token
-        self.prefill: dict[str, int] = {}  # request id -> its share of prefill_tokens
-        self.scrape: tuple[float, int, int, float] | None = None  # taken_s, running, waiting, kv
-        self.view: NodeView | None = None  # cached; None: rebuild
         self.result: StepResult | None = None  # the step in progress, landing at its end
 
 
 class _Region:
-    __slots__ = ("by_id", "nodes", "policy", "queue", "rng")
+    __slots__ = ("agents", "by_id", "nodes")
 
-    def __init__(self, *, nodes: list[_Node], policy: routing.Policy, rng: random.Random) -> None:
+    def __init__(self, *, nodes: list[_Node]) -> None:
         self.nodes = nodes
         self.by_id = {n.node_id: n for n in nodes}
+        self.agents: list[_Agent] = []
+
+
+class _Agent:
+    """One agent replica: its policy and queue, and what it counts and scrapes of each node of
+    its region (lists by the node's ``pos``).  The counts are of its own requests only."""
+
+    __slots__ = (
+        "in_flight",
+        "in_flight_tokens",
+        "index",
+        "policy",
+        "prefill",
+        "prefill_tokens",
+        "queue",
+        "region",
+        "rng",
+        "scrape",
+        "views",
+    )
+
+    def __init__(
+        self, *, index: int, region: _Region, policy: routing.Policy, rng: random.Random
+    ) -> None:
+        n = len(region.nodes)
+        self.index = index  # in the fleet
+        self.region = region
         self.policy = policy
         self.rng = rng
         self.queue: deque[int] = deque()
+        self.in_flight = [0] * n
+        self.in_flight_tokens = [0] * n
+        self.prefill_tokens = [0] * n  # uncached prompt tokens sent, not yet at a first token
+        self.prefill: dict[str, int] = {}  # request id -> its share of its node's prefill_tokens
+        # the last scrape of each node: taken_s, running, waiting, kv_util
+        self.scrape: list[tuple[float, int, int, float] | None] = [None] * n
+        self.views: list[NodeView | None] = [None] * n  # cached; None: rebuild
 
 
 def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
+def _session_key(request: TraceRequest, index: int) -> str:
+    if request.session is not None:
+        return request.session
+    if len(request.hash_ids) > 1:
+        return f"b{request.hash_ids[1]}"
+    return f"i{index}"
+
+
 def region_of(request: TraceRequest, index: int, regions: int) -> int:
     """The region a request's client is steered to: stable per session."""
     if regions == 1:
         return 0
-    if request.session is not None:
-        key = request.session
-    elif len(request.hash_ids) > 1:
-        key = f"b{request.hash_ids[1]}"
-    else:
-        key = f"i{index}"
-    return _stable_hash(key) % regions
+    return _stable_hash(_session_key(request, index)) % regions
+
+
+def agent_of(request: TraceRequest, index: int, agents: int) -> int:
+    """The agent of its region a request goes to: stable per session, independent of
+    :func:`region_of` (another hash of the same key)."""
+    if agents == 1:
+        return 0
+    return _stable_hash(f"agent:{_session_key(request, index)}") % agents
 
 
 class Fleet:
@@ -229,11 +269,16 @@ class Fleet:
         self._seq = 0
         self._nodes: list[_Node] = []
         self._regions: list[_Region] = []
+        self._agents: list[_Agent] = []  # region by region
         self._build()
         self._by_id = {n.node_id: n for n in self._nodes}
         n = len(requests)
         self._views: list[RequestView | None] = [None] * n
         self._region_of = [region_of(r, i, config.regions) for i, r in enumerate(requests)]
+        k = config.agents_per_region
+        self._agent_of = [  # index into self._agents
+            self._region_of[i] * k + agent_of(r, i, k) for i, r in enumerate(requests)
+        ]
         self._dispatched: list[float | None] = [None] * n
         self._node_of: list[int | None] = [None] * n
         self._refused: list[str | None] = [None] * n
@@ -246,8 +291,9 @@ class Fleet:
 
     def _build(self) -> None:
         cfg = self.config
-        master = random.Random(cfg.seed)
-        phases = random.Random(cfg.seed + 1)
+        master = random.Random(cfg.seed)  # engines, and each region's first agent
+        phases = random.Random(cfg.seed + 1)  # scrape phases
+        replicas = random.Random(cfg.seed + 2)  # the other agents (none drawn with one agent)
         per = [cfg.nodes // cfg.regions + (1 if r < cfg.nodes % cfg.regions else 0)
                for r in range(cfg.regions)]  # fmt: skip
         for r, count in enumerate(per):
@@ -255,19 +301,28 @@ class Fleet:
             for i in range(count):
                 node = _Node(
                     index=len(self._nodes),
+                    pos=i,
                     node_id=NodeId(f"r{r}-n{i:03d}"),
                     region=r,
                     engine=Engine(self.profile, rng=random.Random(master.getrandbits(64))),
                 )
                 nodes.append(node)
                 self._nodes.append(node)
-            policy = self._make_policy()
-            self._regions.append(
-                _Region(nodes=nodes, policy=policy, rng=random.Random(master.getrandbits(64)))
-            )
-            if not cfg.fresh:  # its own generator: staleness must not reseed routing
-                phase = phases.uniform(0, cfg.scrape_interval_s)
-                self._push(phase, _SCRAPE, r)
+            region = _Region(nodes=nodes)
+            self._regions.append(region)
+            for a in range(cfg.agents_per_region):
+                seeds = master if a == 0 else replicas
+                agent = _Agent(
+                    index=len(self._agents),
+                    region=region,
+                    policy=self._make_policy(),
+                    rng=random.Random(seeds.getrandbits(64)),
+                )
+                region.agents.append(agent)
+                self._agents.append(agent)
+                if not cfg.fresh:  # its own generator: staleness must not reseed routing
+                    phase = phases.uniform(0, cfg.scrape_interval_s)
+                    self._push(phase, _SCRAPE, agent.index)
 
     def _make_policy(self) -> routing.Policy:
         cfg = self.config
@@ -356,36 +411,38 @@ class Fleet:
         if total > self.profile.max_model_len or total > self.profile.kv_cache_tokens:
             self._refused[i] = "too_large"
             return 1
-        region = self._regions[self._region_of[i]]
-        if not region.queue and self._try_route(region, i, now):
+        agent = self._agents[self._agent_of[i]]
+        if not agent.queue and self._try_route(agent, i, now):
             return 0
-        if not admission.admit(len(region.queue), max_depth=self.config.max_depth):
+        if not admission.admit(len(agent.queue), max_depth=self.config.max_depth):
             self._refused[i] = "queue_full"
             return 1
-        region.queue.append(i)
+        agent.queue.append(i)
         self._push(now + self.config.deadline_s, _DEADLINE, i)
         return 0
 
     def _deadline(self, i: int, now: float) -> int:
         if self._dispatched[i] is not None or self._refused[i] is not None:
             return 0
-        self._regions[self._region_of[i]].queue.remove(i)
+        self._agents[self._agent_of[i]].queue.remove(i)
         self._refused[i] = "deadline"
         return 1
 
-    def _pump(self, region: _Region, now: float) -> None:
-        queue = region.queue
-        while queue and self._try_route(region, queue[0], now):
+    def _pump(self, agent: _Agent, now: float) -> None:
+        queue = agent.queue
+        while queue and self._try_route(agent, queue[0], now):
             queue.popleft()
 
-    def _node_views(self, region: _Region, now: float) -> list[NodeView]:
+    def _node_views(self, agent: _Agent, now: float) -> list[NodeView]:
+        """What ``agent`` knows of its region's nodes now, in ``pos`` order."""
         cfg = self.config
         out = []
         stale_limit = cfg.stale_limit_s
-        for node in region.nodes:
-            view = node.view
+        views = agent.views
+        for pos, node in enumerate(agent.region.nodes):
+            view = views[pos]
             if view is not None and not cfg.fresh:
-                scrape = node.scrape
+                scrape = agent.scrape[pos]
                 if (
                     scrape is not None
                     and view.telemetry is not None
@@ -393,14 +450,15 @@ class Fleet:
                 ):
                     view = None  # went stale
             if view is None or cfg.fresh:
-                view = self._node_view(node, now)
-                node.view = view
+                view = self._node_view(agent, node, now)
+                views[pos] = view
             out.append(view)
         return out
 
-    def _node_view(self, node: _Node, now: float) -> NodeView:
+    def _node_view(self, agent: _Agent, node: _Node, now: float) -> NodeView:
         cfg = self.config
         telemetry: Telemetry | None = None
+        scrape = agent.scrape[node.pos]
         if cfg.fresh:
             e = node.engine
             telemetry = Telemetry(
@@ -411,8 +469,8 @@ class Fleet:
                 prefix_hit_rate=None,
                 block_size=self.profile.block_size,
             )
-        elif node.scrape is not None and now - node.scrape[0] <= cfg.stale_limit_s:
-            taken, running, waiting, kv = node.scrape
+        elif scrape is not None and now - scrape[0] <= cfg.stale_limit_s:
+            taken, running, waiting, kv = scrape
             telemetry = Telemetry(
                 age_s=now - taken,
                 running=running,
@@ -424,28 +482,29 @@ class Fleet:
         return NodeView(
             node_id=node.node_id,
             models=frozenset((MODEL,)),
-            in_flight=node.in_flight,
-            in_flight_tokens=node.in_flight_tokens,
-            prefill_tokens=node.prefill_tokens,
+            in_flight=agent.in_flight[node.pos],
+            in_flight_tokens=agent.in_flight_tokens[node.pos],
+            prefill_tokens=agent.prefill_tokens[node.pos],
             slots=cfg.slots_per_node,
             telemetry=telemetry,
         )
 
-    def _try_route(self, region: _Region, i: int, now: float) -> bool:
+    def _try_route(self, agent: _Agent, i: int, now: float) -> bool:
         request = self._request_view(i)
-        views = self._node_views(region, now)
+        views = self._node_views(agent, now)
         self.num_decisions += 1
-        decision = region.policy.choose(request, views, now=now, rng=region.rng)
+        decision = agent.policy.choose(request, views, now=now, rng=agent.rng)
         if decision.node is None:
             return False
-        node = region.by_id[decision.node]
-        node.in_flight += 1
-        node.in_flight_tokens += request.prompt_tokens + request.max_tokens
+        node = agent.region.by_id[decision.node]
+        pos = node.pos
+        agent.in_flight[pos] += 1
+        agent.in_flight_tokens[pos] += request.prompt_tokens + request.max_tokens
         pending = max(0, request.prompt_tokens - decision.expected_hit_tokens)
-        node.prefill[str(i)] = pending
-        node.prefill_tokens += pending
-        node.view = None
-        region.policy.observe_routed(request, decision.node, now=now)
+        agent.prefill[str(i)] = pending
+        agent.prefill_tokens[pos] += pending
+        agent.views[pos] = None
+        agent.policy.observe_routed(request, decision.node, now=now)
         self._dispatched[i] = now
         self._node_of[i] = node.index
         if self._overhead_s > 0:
@@ -454,13 +513,14 @@ class Fleet:
             self._engine_add(i, now)
         return True
 
-    def _scrape(self, r: int, now: float) -> None:
-        region = self._regions[r]
-        for node in region.nodes:
+    def _scrape(self, a: int, now: float) -> None:
+        """Agent ``a`` scrapes every node of its region (the engines all its peers share)."""
+        agent = self._agents[a]
+        for node in agent.region.nodes:
             e = node.engine
-            node.scrape = (now, e.num_running, e.num_waiting, e.kv_usage)
-            node.view = None
-        self._pump(region, now)
+            agent.scrape[node.pos] = (now, e.num_running, e.num_waiting, e.kv_usage)
+            agent.views[node.pos] = None
+        self._pump(agent, now)
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -494,26 +554,28 @@ class Fleet:
         self._push(now + result.duration_s, _STEP_END, node.index)
 
     def _step_end(self, node: _Node, result: StepResult, now: float) -> int:
-        if node.prefill:
-            for event in result.tokens:
-                if event.index == 0:
-                    node.prefill_tokens -= node.prefill.pop(event.request_id, 0)
-                    node.view = None
+        pos = node.pos
+        for event in result.tokens:
+            if event.index == 0:  # a first token: its prefill is no longer ahead
+                agent = self._agents[self._agent_of[int(event.request_id)]]
+                agent.prefill_tokens[pos] -= agent.prefill.pop(event.request_id, 0)
+                agent.views[pos] = None
         for rec in result.finished:
             i = int(rec.request_id)
             self._records[i] = rec
             r = self.requests[i]
-            node.in_flight -= 1
-            node.in_flight_tokens -= r.input_length + r.output_length
-            node.view = None
+            agent = self._agents[self._agent_of[i]]
+            agent.in_flight[pos] -= 1
+            agent.in_flight_tokens[pos] -= r.input_length + r.output_length
+            agent.views[pos] = None
         if node.engine.has_unfinished:
             self._start_step(node, now)
         else:
             node.busy = False
-        if result.finished:
-            region = self._regions[node.region]
-            if region.queue:
-                self._pump(region, now)
+        if result.finished:  # a slot freed: wake every agent of the region that has a queue
+            for agent in self._regions[node.region].agents:
+                if agent.queue:
+                    self._pump(agent, now)
         return len(result.finished)
 
     # -- results -----------------------------------------------------------------------------
@@ -527,6 +589,7 @@ class Fleet:
                 Outcome(
                     index=i,
                     region=self._region_of[i],
+                    agent=self._agent_of[i] % self.config.agents_per_region,
                     node=None if node_i is None else self._nodes[node_i].node_id,
                     refused=self._refused[i],
                     arrival_s=r.timestamp_s,
@@ -565,12 +628,13 @@ class Fleet:
             if o.refused is not None:
                 refused[o.refused] = refused.get(o.refused, 0) + 1
         preemptions = sum(n.engine.stats.num_preemptions for n in self._nodes)
-        index_bytes = [routing.prefix_index_bytes(r.policy) for r in self._regions]
+        index_bytes = [routing.prefix_index_bytes(a.policy) for a in self._agents]
         cfg = self.config
         return {
             "policy": cfg.policy,
             "nodes": cfg.nodes,
             "regions": cfg.regions,
+            "agents_per_region": cfg.agents_per_region,
             "scrape_interval_s": cfg.scrape_interval_s,
             "requests": len(outcomes),
             "completed": len(done),
@@ -589,7 +653,7 @@ class Fleet:
             "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
             "throughput_tok_s": output / span,
             "preemptions": preemptions,
-            # the agents' prefix indexes at the end, all regions, by the index's own estimate
+            # the agents' prefix indexes at the end, all agents, by the index's own estimate
             "prefix_index_mib": sum(b or 0 for b in index_bytes) / 2**20,
             "virtual_s": span,
             "wall_s": wall_s,

@@ -1,4 +1,5 @@
-"""The fleet simulator: conservation, determinism, staleness, the central queue, the oracle."""
+"""The fleet simulator: conservation, determinism, staleness, the central queue, the oracle,
+agent replicas."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from policies.model import NodeId
+from policies.model import NodeId, NodeView
 from simulator import fleet, profile, workloads
-from simulator.fleet.sim import Fleet
+from simulator.fleet.sim import Fleet, _Agent
 
 H100 = profile.load("h100-llama3-8b")
 
@@ -83,31 +84,30 @@ def test_stale_telemetry_changes_jsq_decisions() -> None:
 def test_policies_see_the_last_scrape_not_the_live_engine() -> None:
     requests = workloads.scale_to_rate(_sessions(), rate_per_s=10.0)[:5]
     sim = Fleet(H100, requests, fleet.FleetConfig(nodes=2, scrape_interval_s=1.0))
-    region = sim._regions[0]
-    assert all(v.telemetry is None for v in sim._node_views(region, 0.0))  # never scraped
-    node = region.nodes[0]
-    node.scrape = (10.0, 3, 7, 0.5)
-    node.view = None
-    view = sim._node_views(region, 10.5)[0]
+    agent = sim._agents[0]
+    assert all(v.telemetry is None for v in sim._node_views(agent, 0.0))  # never scraped
+    agent.scrape[0] = (10.0, 3, 7, 0.5)
+    agent.views[0] = None
+    view = sim._node_views(agent, 10.5)[0]
     assert view.telemetry is not None
     assert (view.telemetry.waiting, view.telemetry.kv_util) == (7, 0.5)
     assert view.telemetry.age_s == pytest.approx(0.5)
     # older than stale_after_s (default max(1, 4 x 1 s) = 4 s): unknown, never idle
-    assert sim._node_views(region, 14.5)[0].telemetry is None
+    assert sim._node_views(agent, 14.5)[0].telemetry is None
 
 
 def test_prefill_ahead_is_counted_until_the_first_token() -> None:
     requests = workloads.scale_to_rate(_sessions(), rate_per_s=10.0)[:40]
     sim = Fleet(H100, requests, fleet.FleetConfig(nodes=2, scrape_interval_s=0))
-    region = sim._regions[0]
-    assert sim._try_route(region, 0, 0.0)
-    routed = next(n for n in region.nodes if n.in_flight == 1)
-    assert routed.prefill_tokens == requests[0].input_length  # nothing cached yet
-    assert sim._node_views(region, 0.0)[routed.index].prefill_tokens == requests[0].input_length
+    agent = sim._agents[0]
+    assert sim._try_route(agent, 0, 0.0)
+    routed = agent.in_flight.index(1)
+    assert agent.prefill_tokens[routed] == requests[0].input_length  # nothing cached yet
+    assert sim._node_views(agent, 0.0)[routed].prefill_tokens == requests[0].input_length
     done = Fleet(H100, requests, fleet.FleetConfig(nodes=2, scrape_interval_s=0))
     result = done.run()
     assert result.summary["completed"] == len(requests)
-    assert all(n.prefill_tokens == 0 and not n.prefill for n in done._nodes)
+    assert all(not any(a.prefill_tokens) and not a.prefill for a in done._agents)
 
 
 def test_full_queue_and_deadline_refuse_with_reasons() -> None:
@@ -168,3 +168,108 @@ def test_bad_config_names_the_field() -> None:
         fleet.FleetConfig(nodes=2, policy="fastest")
     with pytest.raises(fleet.FleetError, match="regions must be"):
         fleet.FleetConfig(nodes=2, regions=3)
+    with pytest.raises(fleet.FleetError, match="agents_per_region must be at least 1, got 0"):
+        fleet.FleetConfig(nodes=2, agents_per_region=0)
+
+
+# -- agent replicas ----------------------------------------------------------------------------
+
+
+def test_one_agent_per_region_is_the_default_run_exactly() -> None:
+    requests = workloads.scale_to_rate(_sessions(), rate_per_s=20.0)
+    timing = ("wall_s", "cpu_s")
+    for kw in (
+        {"policy": "meridian", "scrape_interval_s": 0.25, "regions": 2},
+        {"policy": "power_of_two", "scrape_interval_s": 1.0, "seed": 5},
+        {"policy": "least_connections", "scrape_interval_s": 0.0, "slots_per_node": 4},
+    ):
+        default = _run(requests, nodes=6, **kw)
+        one = _run(requests, nodes=6, agents_per_region=1, **kw)
+        assert one.outcomes == default.outcomes
+        assert {k: v for k, v in one.summary.items() if k not in timing} == {
+            k: v for k, v in default.summary.items() if k not in timing
+        }
+        assert one.summary["agents_per_region"] == 1
+        assert {o.agent for o in one.outcomes} == {0}
+
+
+class _Watched(Fleet):
+    """A fleet that records, at every decision, what the deciding agent's policy is shown next
+    to its own counts and the node's total over every agent of the region."""
+
+    def __init__(self, requests: list[workloads.TraceRequest], config: fleet.FleetConfig) -> None:
+        super().__init__(H100, requests, config)
+        self.seen: list[tuple[list[int], list[int], list[int]]] = []
+
+    def _node_views(self, agent: _Agent, now: float) -> list[NodeView]:
+        views = super()._node_views(agent, now)
+        peers = agent.region.agents
+        totals = [sum(a.in_flight[pos] for a in peers) for pos in range(len(views))]
+        self.seen.append(([v.in_flight for v in views], list(agent.in_flight), totals))
+        return views
+
+
+def test_agent_replicas_count_only_their_own_requests_and_every_request_ends_once() -> None:
+    requests = workloads.scale_to_rate(_sessions(rate=4.0), rate_per_s=40.0)
+    config = fleet.FleetConfig(
+        nodes=6, regions=2, agents_per_region=4, policy="meridian", scrape_interval_s=0.5
+    )
+    sim = _Watched(requests, config)
+    result = sim.run()
+    outcomes = result.outcomes
+    assert [o.index for o in outcomes] == list(range(len(requests)))
+    assert all((o.finished_s is None) != (o.refused is None) for o in outcomes)
+    assert result.summary["completed"] == len(requests)
+    assert result.summary["agents_per_region"] == 4
+    # sessions stick to one agent, and the agent does not follow from the region
+    by_session: dict[str | None, set[tuple[int, int]]] = {}
+    for o in outcomes:
+        by_session.setdefault(requests[o.index].session, set()).add((o.region, o.agent))
+    assert all(len(v) == 1 for v in by_session.values())
+    assert {(o.region, o.agent) for o in outcomes} == {(r, a) for r in (0, 1) for a in range(4)}
+    # each agent's accounting is back to zero at the end, its queue empty
+    assert len(sim._agents) == 8
+    for agent in sim._agents:
+        assert not any(agent.in_flight) and not any(agent.in_flight_tokens)
+        assert not any(agent.prefill_tokens) and not agent.prefill and not agent.queue
+    # each agent scraped on its own timer: phases (times mod the interval) all differ
+    phases = {round(a.scrape[0][0] % 0.5, 9) for a in sim._agents if a.scrape[0] is not None}
+    assert len(phases) == 8
+    # the policy saw its agent's own counts, and a node held more than one agent saw
+    assert all(shown == own for shown, own, _ in sim.seen)
+    assert any(t > o for _, own, totals in sim.seen for o, t in zip(own, totals, strict=True))
+    again = fleet.simulate(H100, requests, config)
+    assert again.outcomes == outcomes
+
+
+def test_least_connections_replicas_herd_on_what_they_cannot_see() -> None:
+    # one region of 4 nodes, 4 least-connections replicas, fresh telemetry (which lc ignores)
+    requests = workloads.scale_to_rate(_sessions(rate=4.0), rate_per_s=40.0)
+    config = fleet.FleetConfig(
+        nodes=4, agents_per_region=4, policy="least_connections", scrape_interval_s=0.0
+    )
+    sim = _Watched(requests, config)
+    sim.run()
+    assert sim.seen
+    for shown, own, totals in sim.seen:
+        assert shown == own  # in_flight is the deciding agent's count, never the node's total
+        assert all(o <= t for o, t in zip(own, totals, strict=True))
+    # at some decision the agent's least-loaded node was not the region's least loaded
+    assert any(
+        totals[own.index(min(own))] > min(totals) for _, own, totals in sim.seen if any(totals)
+    )
+
+
+def test_slots_cap_each_agents_own_in_flight_not_the_node_total() -> None:
+    burst = [
+        workloads.TraceRequest(
+            timestamp_s=0.0, input_length=900, output_length=400, hash_ids=(0, 10_000 + i)
+        )
+        for i in range(24)
+    ]
+    one = _run(burst, nodes=1, policy="round_robin", slots_per_node=2)
+    assert sum(o.dispatched_s == 0.0 for o in one.outcomes) == 2
+    four = _run(burst, nodes=1, agents_per_region=4, policy="round_robin", slots_per_node=2)
+    at_once = Counter(o.agent for o in four.outcomes if o.dispatched_s == 0.0)
+    assert set(at_once) == {0, 1, 2, 3} and set(at_once.values()) == {2}  # 8 on one node
+    assert four.summary["completed"] == len(burst)

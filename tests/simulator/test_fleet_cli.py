@@ -62,6 +62,23 @@ def test_prints_name_value_lines_and_writes_the_same_json(
     assert 0 < figures["prefix_hit_rate"] < 1  # second turns hit their first turn's blocks
 
 
+def test_agents_per_region_runs_replicas_and_refuses_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fleet.json"
+    argv = ["fleet", "--trace", str(_trace(tmp_path)), "--nodes", "3", "--policy"]
+    argv += ["least_connections", "--load", "0.5", "--capacity-rps", "2"]
+    assert cli.main([*argv, "--agents-per-region", "3", "--json", str(out)]) == 0
+    assert "agents_per_region: 3" in capsys.readouterr().out.splitlines()
+    figures = json.loads(out.read_text())
+    assert figures["agents_per_region"] == 3
+    assert figures["requests"] == figures["completed"] == 24
+    assert cli.main([*argv, "--agents-per-region", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "meridian-sim: agents_per_region must be at least 1, got 0" in captured.err
+
+
 def test_a_bad_trace_exits_2_naming_line_and_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
