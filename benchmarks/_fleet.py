@@ -40,6 +40,7 @@ class Task:
     min_requests: int
     seed: int = 0
     regions: int = 1
+    agents: int = 1  # agent replicas per region (FleetConfig.agents_per_region)
 
 
 _STATE: dict[str, Any] = {}
@@ -67,6 +68,7 @@ def _run(task: Task) -> dict[str, Any]:
         nodes=task.nodes,
         policy=task.policy,
         regions=task.regions,
+        agents_per_region=task.agents,
         scrape_interval_s=task.scrape_interval_s,
         seed=task.seed,
     )
@@ -86,9 +88,9 @@ def capacity(trace: Path, profile_name: str) -> float:
 
 
 def _task_key(
-    section: str, policy: str, nodes: int, load: float, scrape: float, window: Any
+    section: str, policy: str, nodes: int, load: float, scrape: float, window: Any, agents: Any
 ) -> tuple[Any, ...]:
-    return (section, policy, int(nodes), float(load), float(scrape), window)
+    return (section, policy, int(nodes), float(load), float(scrape), window, int(agents))
 
 
 def reusable(
@@ -101,10 +103,11 @@ def reusable(
     same: dict[str, Any],
 ) -> dict[int, dict[str, Any]]:
     """Rows of an earlier run (its JSON) that stand for ``tasks`` of a policy not in ``rerun``:
-    same section, policy, size, load, scrape interval and window, same trace, measured capacity
-    and ``same`` settings (keys of its ``meta``).  Runs are deterministic (seed 0, one region
-    here), so a policy whose code did not change gives the same row again; reused rows are
-    marked ``reused_from`` with the earlier run's date."""
+    same section, policy, size, load, scrape interval, window and agents per region (a row
+    without ``agents_per_region``, from before it existed, had one), same trace, measured
+    capacity and ``same`` settings (keys of its ``meta``).  Runs are deterministic (seed 0, one
+    region here), so a policy whose code did not change gives the same row again; reused rows
+    are marked ``reused_from`` with the earlier run's date."""
     data = json.loads(previous.read_text())
     meta = data["meta"]
     for key, value in same.items():
@@ -121,7 +124,7 @@ def reusable(
     when = meta.get("machine", {}).get("date", str(previous))
     by = {
         _task_key(r["section"], r["policy"], r["nodes"], r["load"], r["scrape_interval_s"],
-                  r["window_s"]): r
+                  r["window_s"], r.get("agents_per_region", 1)): r
         for r in data["rows"]
         if int(r.get("regions", 1)) == 1
     }  # fmt: skip
@@ -130,9 +133,13 @@ def reusable(
         if t.policy in rerun or t.seed != 0 or t.regions != 1:
             continue
         row = by.get(_task_key(t.section, t.policy, t.nodes, t.load, t.scrape_interval_s,
-                               t.window_s))  # fmt: skip
+                               t.window_s, t.agents))  # fmt: skip
         if row is not None:
-            out[i] = {**row, "reused_from": row.get("reused_from", when)}
+            out[i] = {
+                **row,
+                "agents_per_region": t.agents,
+                "reused_from": row.get("reused_from", when),
+            }
     return out
 
 
@@ -183,7 +190,8 @@ def run_all(
                 partial.write_text(json.dumps([r for r in rows if r is not None], indent=1))
             print(
                 f"[{done}/{len(todo)} {time.monotonic() - started:.0f} s] {t.section} "
-                f"{t.policy} n={t.nodes} load={t.load} scrape={t.scrape_interval_s}: "
+                f"{t.policy} n={t.nodes} load={t.load} scrape={t.scrape_interval_s} "
+                f"agents={t.agents}: "
                 f"ttft p99 {row['ttft_p99_s']:.3f} s, hit {row['prefix_hit_rate']:.3f}, "
                 f"{row['requests']} req in {row['wall_s']:.0f} s",
                 file=sys.stderr,

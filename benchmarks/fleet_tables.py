@@ -4,7 +4,8 @@ Question: how do random, round robin, least connections, power of two, JSQ, pref
 meridian compare at 16, 64 and 256 GPUs and 50, 80 and 95 % load, with fresh telemetry (every
 decision sees live engine state) and stale telemetry (scraped every ``--stale-scrape-s``)?  And
 the field's claim: at 64 GPUs and 80 % load, power of two < least connections < random on p99
-queue wait (8, 12, 25 ms): does it hold, and under which staleness?
+queue wait (8, 12, 25 ms): does it hold, under which staleness, and with several agent replicas
+per region (``--claim-agents``), each counting only the requests it sent itself?
 
 Workload: the Mooncake conversation trace, scaled to each load of the fleet's capacity
 (``simulator.workloads.node_capacity_rps``), keeping the first ``--window-s`` virtual seconds of
@@ -12,7 +13,7 @@ arrivals (at least ``--min-requests``); every request runs to completion.  Nodes
 ``h100-llama3-8b`` with a 128k context.  Writes ``fleet_tables.{json,md,png}``.
 
     python benchmarks/fleet_tables.py [--quick] [--trace ../shared/workloads/...jsonl]
-        [--jobs 2] [--out-dir benchmarks/results]
+        [--claim-agents 1,4] [--jobs 2] [--out-dir benchmarks/results]
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def _agent_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,4, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"agents per region must be at least 1, got {text!r}")
+    return counts
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=_fleet.DEFAULT_TRACE, help="Mooncake JSONL")
@@ -53,6 +64,13 @@ def main() -> int:
     )
     p.add_argument("--stale-scrape-s", type=float, default=1.0, help="the stale case's interval")
     p.add_argument("--claim-scrapes", default=None, help="claim check intervals, s")
+    p.add_argument(
+        "--claim-agents",
+        type=_agent_counts,
+        default=[1],
+        help="agent replicas per region for the claim check, a list (default 1); each counts "
+        "only its own requests",
+    )
     p.add_argument("--window-s", type=float, default=None, help="virtual seconds of arrivals")
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument(
@@ -91,7 +109,8 @@ def main() -> int:
         if not args.no_grid
     ]
     tasks += [
-        Task("claim", pol, 64, 0.8, scrape, claim_window_s, min_requests)
+        Task("claim", pol, 64, 0.8, scrape, claim_window_s, min_requests, agents=agents)
+        for agents in args.claim_agents
         for scrape in claim_scrapes
         for pol in CLAIM_POLICIES
     ]
@@ -125,6 +144,7 @@ def main() -> int:
         "node_capacity_rps": cap,
         "window_s": window_s,
         "claim_window_s": claim_window_s,
+        "claim_agents": args.claim_agents,
         "min_requests": min_requests,
         "stale_scrape_s": stale,
         "quick": q,
@@ -136,6 +156,10 @@ def main() -> int:
     _fleet.write(args.out_dir, "fleet_tables", meta, rows, md)
     plot(rows, args.out_dir / "fleet_tables.png", sizes=sizes, stale=stale)
     return 0
+
+
+def _agents(r: dict[str, Any]) -> int:
+    return int(r.get("agents_per_region", 1))  # rows from before it existed had one
 
 
 def _key(r: dict[str, Any]) -> tuple[int, float, float, str]:
@@ -185,28 +209,31 @@ def render(
                         f"{r['throughput_tok_s']:.0f} |"
                     )
             out.append("")
-    claim = sorted(
-        (r for r in rows if r["section"] == "claim"),
-        key=lambda r: (r["scrape_interval_s"], CLAIM_POLICIES.index(r["policy"])),
-    )
+    claim = [r for r in rows if r["section"] == "claim"]
     out += [
         "## Claim check: 64 GPUs, 80 % load, p99 queue wait (field: p2c 8 < lc 12 < random 25 ms)",
         "",
-        f"Window {meta['claim_window_s']} s of arrivals.",
+        f"Window {meta['claim_window_s']} s of arrivals. Agents: replicas per region, a "
+        "session sticking to one; each counts only the requests it sent itself.",
         "",
-        "| telemetry | power of two | least connections | random | order holds |",
-        "|---|---:|---:|---:|---|",
+        "| agents | telemetry | power of two | least connections | random | order holds |",
+        "|---:|---|---:|---:|---:|---|",
     ]
-    scrapes = sorted({r["scrape_interval_s"] for r in claim})
-    for s in scrapes:
-        vals = {r["policy"]: r["queue_wait_p99_s"] for r in claim if r["scrape_interval_s"] == s}
+    cases = sorted({(_agents(r), r["scrape_interval_s"]) for r in claim})
+    for agents, s in cases:
+        vals = {
+            r["policy"]: r["queue_wait_p99_s"]
+            for r in claim
+            if (_agents(r), r["scrape_interval_s"]) == (agents, s)
+        }
         if len(vals) < 3:
             continue
         holds = vals["power_of_two"] < vals["least_connections"] < vals["random"]
         tel = "fresh" if s == 0 else f"scrape {s:g} s"
         out.append(
-            f"| {tel} | {ms(vals['power_of_two'])} | {ms(vals['least_connections'])} | "
-            f"{ms(vals['random'])} | {'yes' if holds else 'no'} |"
+            f"| {agents} | {tel} | {ms(vals['power_of_two'])} | "
+            f"{ms(vals['least_connections'])} | {ms(vals['random'])} | "
+            f"{'yes' if holds else 'no'} |"
         )
     out.append("")
     return "\n".join(out)
