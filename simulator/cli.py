@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--scrape-interval-s",
         type=_nonneg_float,
-        default=0.25,
-        help="telemetry scrape interval, seconds; 0 = fresh (default 0.25, the agent's)",
+        default=1.0,
+        help="telemetry scrape interval, seconds; 0 = fresh (default 1, the agent's)",
     )
     f.add_argument(
         "--stale-after-s",

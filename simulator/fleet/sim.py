@@ -84,7 +84,7 @@ class FleetConfig:
     regions: int = 1
     agents_per_region: int = 1
     """Agent replicas per region, each with its own policy, queue, counts and scrapes."""
-    scrape_interval_s: float = 0.25
+    scrape_interval_s: float = 1.0
     """Seconds between telemetry scrapes (the agent's default); 0: fresh, live state."""
     stale_after_s: float | None = None
     """A scrape older than this is unknown; default ``max(1.0, 4 * scrape_interval_s)``."""
