@@ -9,6 +9,7 @@ run, so every load fraction means the same thing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -91,6 +92,24 @@ def _task_key(
     section: str, policy: str, nodes: int, load: float, scrape: float, window: Any, agents: Any
 ) -> tuple[Any, ...]:
     return (section, policy, int(nodes), float(load), float(scrape), window, int(agents))
+
+
+def add_reuse_args(parser: argparse.ArgumentParser) -> None:
+    """``--reuse FILE --rerun POLICIES``, read by :func:`reusable`."""
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier run's JSON: take its rows for the policies not in --rerun",
+    )
+    parser.add_argument(
+        "--rerun", default="", help="policies to run again with --reuse (changed since it)"
+    )
+
+
+def policy_set(text: str) -> set[str]:
+    """``"a,b"`` -> ``{"a", "b"}``; empty names are dropped."""
+    return {name for name in text.split(",") if name}
 
 
 def reusable(

@@ -43,15 +43,7 @@ def main() -> int:
     p.add_argument("--window-s", type=float, default=None, help="virtual seconds of arrivals")
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
-    p.add_argument(
-        "--reuse",
-        type=Path,
-        default=None,
-        help="an earlier run's JSON: take its rows for the policies not in --rerun",
-    )
-    p.add_argument(
-        "--rerun", default="", help="policies to run again with --reuse (changed since it)"
-    )
+    _fleet.add_reuse_args(p)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -83,7 +75,7 @@ def main() -> int:
         reused = _fleet.reusable(
             tasks,
             args.reuse,
-            rerun=set(args.rerun.split(",")) - {""},
+            rerun=_fleet.policy_set(args.rerun),
             capacity_rps=cap,
             trace=args.trace,
             same={
