@@ -110,7 +110,7 @@ class RoutingSettings(_Group):
 
 class TelemetrySettings(_Group):
     # 1 s, not 0.25: every scrape costs the node a render of its ~50 KB /metrics page; the
-    # routing benchmark measured 0.2 cores less on 8 nodes and a lower TTFT at 1 s, and the
+    # routing benchmark measured 0.2 cores less on 8 nodes and a lower client TTFT at 1 s, the
     # fleet simulator no change in Meridian's tail between fresh and 1 s old telemetry (the
     # agent's own in-flight and prefill counts carry the decision; docs/benchmarks.md)
     scrape_interval_s: float = Field(
