@@ -187,7 +187,11 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
     while streams and non-streaming requests are running on it."""
     doomed = vllm_extra(cpu="0")
     survivor = vllm_nodes[1]
-    handle = await start_agent([doomed.url, survivor.url], policy="round_robin")
+    # three vLLM engines busy-poll the 2 cores here, and the agent's loop can wait seconds for
+    # one: a retry's connect to the survivor once ran past the default 2 s and failed the test
+    handle = await start_agent(
+        [doomed.url, survivor.url], policy="round_robin", upstream={"connect_timeout_s": 10.0}
+    )
     started = [asyncio.Event() for _ in range(4)]
     outcomes: list[str] = []
 
