@@ -174,7 +174,10 @@ async def test_dns_server_down_keeps_the_desired_state_and_applies_it_once_back(
 ) -> None:
     controller = await stack.start()
     await _until(_is(bind, EU, API, "A", {EU_ADDRESS}), 15, "the eu answer")
-    bind.process.kill()
+    # stopped, not SIGKILLed: named killed while it writes a zone's journal refuses that zone
+    # at restart ("journal open failed"), which failed this test once; that recovery is the
+    # operator's (docs/dns.md), not what this test is about
+    bind.process.stop()
     await stack.kill_agent("eu-west")
 
     async def failed() -> bool:
