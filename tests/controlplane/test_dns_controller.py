@@ -129,7 +129,12 @@ async def test_failover_flips_the_eu_answer_within_a_window_and_the_ramp_brings_
     await _until(_is(bind, EU, API, "A", {EU_ADDRESS}), 15, "the eu answer")
     await _until(_is(bind, US, API, "A", {US_ADDRESS}), 5, "the us answer")
 
-    # steady: windows pass and nothing is sent
+    # steady: windows pass and nothing is sent.  BIND answers as soon as the update lands; the
+    # controller records dns/applied in etcd just after, so wait for that record too
+    async def recorded() -> bool:
+        return await stack.applied() is not None
+
+    await _until(recorded, 5, "dns/applied recorded")
     applied = await stack.applied()
     assert applied is not None and applied.error is None
     serials = (await serial(bind, EU), await serial(bind, US))
