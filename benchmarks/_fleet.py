@@ -107,6 +107,27 @@ def add_reuse_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def reused_by_args(
+    args: argparse.Namespace,
+    tasks: Sequence[Task],
+    *,
+    capacity_rps: float,
+    same: dict[str, Any],
+) -> dict[int, dict[str, Any]] | None:
+    """:func:`reusable` for the ``--reuse``/``--rerun`` of :func:`add_reuse_args` (``None``
+    without ``--reuse``); ``args.trace`` is the run's trace."""
+    if args.reuse is None:
+        return None
+    return reusable(
+        tasks,
+        args.reuse,
+        rerun=policy_set(args.rerun),
+        capacity_rps=capacity_rps,
+        trace=args.trace,
+        same=same,
+    )
+
+
 def policy_set(text: str) -> set[str]:
     """``"a,b"`` -> ``{"a", "b"}``; empty names are dropped."""
     return {name for name in text.split(",") if name}

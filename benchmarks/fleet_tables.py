@@ -109,16 +109,9 @@ def main() -> int:
     print(f"fleet_tables: {len(tasks)} runs on {args.jobs} processes", file=sys.stderr)
     cap = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
     print(f"fleet_tables: one node's capacity {cap:.3f} requests/s", file=sys.stderr)
-    reused = None
-    if args.reuse is not None:
-        reused = _fleet.reusable(
-            tasks,
-            args.reuse,
-            rerun=_fleet.policy_set(args.rerun),
-            capacity_rps=cap,
-            trace=args.trace,
-            same={"min_requests": min_requests, "profile": args.profile},
-        )
+    reused = _fleet.reused_by_args(
+        args, tasks, capacity_rps=cap, same={"min_requests": min_requests, "profile": args.profile}
+    )
     rows = _fleet.run_all(
         tasks,
         trace=args.trace,
