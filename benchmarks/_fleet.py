@@ -1,9 +1,9 @@
 """Shared plumbing of the fleet-simulator benchmarks (fleet_tables.py, cache_by_size.py).
 
-Runs are independent ``simulator.fleet`` simulations; they go to a pool of worker processes
+Runs are independent ``meridian_sim.fleet`` simulations; they go to a pool of worker processes
 (2 by default: the development machine has 2 cores), each of which reads the trace once and
 keeps its block-hash memo across runs.  One node's capacity on the trace's length mix is
-measured once in the parent (``simulator.workloads.node_capacity_rps``) and handed to every
+measured once in the parent (``meridian_sim.workloads.node_capacity_rps``) and handed to every
 run, so every load fraction means the same thing.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulator import fleet, profile, workloads  # noqa: E402
+from meridian_sim import fleet, profile, workloads  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
 MAX_MODEL_LEN = 131_072  # Llama-3.1-8B's context: the Mooncake trace has 126k-token prompts

@@ -2,7 +2,7 @@
 
 The Mooncake trace (kvcache-ai/Mooncake, FAST'25) gives each request ``hash_ids``: one id per
 512-token block of its prompt, equal ids meaning an equal prefix up to the end of that block.
-Rows are read with ``simulator.workloads.read_mooncake``.  Here every hash id becomes a fixed
+Rows are read with ``meridian_sim.workloads.read_mooncake``.  Here every hash id becomes a fixed
 run of 512 words, each one token under the simulator's
 tokenizer (``policies/prompt.py``: a space and 1-8 letters is one piece), drawn from a
 ``random.Random`` seeded by the id.  A prompt is the concatenation of its blocks' words, the last
@@ -27,8 +27,8 @@ import string
 from pathlib import Path
 from typing import Any, Final
 
-from simulator import workloads
-from simulator.workloads import TraceRequest
+from meridian_sim import workloads
+from meridian_sim.workloads import TraceRequest
 
 TRACE_BLOCK_TOKENS: Final = 512
 TEMPLATE_TOKENS: Final = 9  # what render_chat adds around one user message ("assistant" is 2)
@@ -36,7 +36,8 @@ _LETTERS: Final = string.ascii_lowercase
 
 
 def read_rows(path: Path | str, *, limit: int, skip: int = 0) -> list[TraceRequest]:
-    """Rows ``skip .. skip + limit`` of a Mooncake trace (``simulator.workloads.read_mooncake``)."""
+    """Rows ``skip .. skip + limit`` of a Mooncake trace
+    (``meridian_sim.workloads.read_mooncake``)."""
     return workloads.read_mooncake(path, limit=skip + limit)[skip:]
 
 

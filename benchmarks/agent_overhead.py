@@ -87,7 +87,7 @@ def spawn(name: str, argv: Sequence[str], logdir: Path) -> Child:
 
 def spawn_node(i: int, *, profile: str, time_scale: float, logdir: Path) -> Child:
     """``meridian-sim node`` number ``i`` (seeded by ``i``) on a free loopback port."""
-    argv = ["-m", "simulator.cli", "node", "--port", "0", "--profile", profile, "--time-scale",
+    argv = ["-m", "meridian_sim.cli", "node", "--port", "0", "--profile", profile, "--time-scale",
             f"{time_scale:g}", "--seed", str(i), "--log-level", "WARNING"]  # fmt: skip
     return spawn(f"node{i}", argv, logdir)
 

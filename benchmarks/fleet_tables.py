@@ -8,7 +8,7 @@ queue wait (8, 12, 25 ms): does it hold, under which staleness, and with several
 per region (``--claim-agents``), each counting only the requests it sent itself?
 
 Workload: the Mooncake conversation trace, scaled to each load of the fleet's capacity
-(``simulator.workloads.node_capacity_rps``), keeping the first ``--window-s`` virtual seconds of
+(``meridian_sim.workloads.node_capacity_rps``), keeping the first ``--window-s`` virtual seconds of
 arrivals (at least ``--min-requests``); every request runs to completion.  Nodes:
 ``h100-llama3-8b`` with a 128k context.  Writes ``fleet_tables.{json,md,png}``.
 

@@ -81,10 +81,10 @@ sys.path.insert(0, str(ROOT))
 
 import aetcd  # noqa: E402
 
+from meridian_wire import keys  # noqa: E402
 from policies import groups  # noqa: E402
 from policies.groups import Debouncer, GroupId, Guard, Range, Table  # noqa: E402
 from policies.model import NodeId  # noqa: E402
-from wire import keys  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
 

@@ -1,7 +1,7 @@
 """How one simulated node's time to first token and preemptions grow with the arrival rate.
 
 Question: where is the knee of a node's load curve under a real length mix, and does the
-simulator put it where the KV cache fills?  Replays, in virtual time (``simulator.offline``),
+simulator put it where the KV cache fills?  Replays, in virtual time (``meridian_sim.offline``),
 Poisson arrivals at each rate with prompt and output lengths taken in order from an Azure LLM
 inference trace (``ContextTokens``, ``GeneratedTokens``), every request generating its full
 output (``ignore_eos``).  Writes ``node_load_curve.json``, ``node_load_curve.md`` (a table) and
@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulator import offline, profile  # noqa: E402
+from meridian_sim import offline, profile  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "azure_conv_2023.csv"
 

@@ -10,7 +10,7 @@ a peer from ``_peers.py`` with each of its policies), and this process as the lo
 Trace rows become chat requests whose text reproduces the trace's block sharing
 (``_trace_prompts.py``), streamed, each generating exactly its trace output length.  Arrivals
 keep the trace's own gaps, compressed so that the mean rate is the load fraction times the
-fleet's capacity.  Capacity is estimated offline (``simulator.offline.replay``, virtual time):
+fleet's capacity.  Capacity is estimated offline (``meridian_sim.offline.replay``, virtual time):
 one node fed every ``--nodes``-th request of the trace all at once, its throughput times the
 number of nodes; that is the fleet's saturation throughput under round robin, with the cache
 reuse round robin gets.
@@ -55,9 +55,9 @@ import _peers
 import _trace_prompts
 import agent_overhead as ao
 
+from meridian_sim import offline, profile
+from meridian_sim.workloads import TraceRequest
 from policies import prompt
-from simulator import offline, profile
-from simulator.workloads import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"

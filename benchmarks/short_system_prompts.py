@@ -1,6 +1,6 @@
 """Does the prefix index's dense head find short shared system prompts that a stride misses?
 
-Synthetic multi-turn chat (``simulator.workloads.synthetic``) whose sessions open with one of
+Synthetic multi-turn chat (``meridian_sim.workloads.synthetic``) whose sessions open with one of
 32 shared system prompts of 160-480 tokens (10-30 16-token blocks, below the default stride of
 32), at 8 H100s and 80 % load, routed by ``meridian`` with ``prefix_dense_head_blocks`` 0
 (stride only) and the given heads.  The Mooncake trace cannot carry such prompts: its blocks
@@ -22,8 +22,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from meridian_sim import fleet, profile, workloads  # noqa: E402
 from policies import routing  # noqa: E402
-from simulator import fleet, profile, workloads  # noqa: E402
 
 
 def main() -> int:

@@ -82,7 +82,7 @@ def sim_server(profile: str, workdir: Path) -> Iterator[str]:
     argv = [
         sys.executable,
         "-m",
-        "simulator.cli",
+        "meridian_sim.cli",
         "node",
         "--port",
         str(port),

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from controlplane.api import server as admin
-from controlplane.clock import Clock, WallClock
 from controlplane.dns import steering
 from controlplane.election import Election
 from controlplane.errors import NotLeader, StoreUnavailable
@@ -26,8 +25,9 @@ from controlplane.reconcile import fleet, windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
-from wire import keys
-from wire.models import Event
+from meridian_service.clock import Clock, WallClock
+from meridian_wire import keys
+from meridian_wire.models import Event
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pydantic
 
-import service
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
 from controlplane.dns import bindconf
+from meridian_service import serving
 
 log = logging.getLogger("meridian.controller")
 
@@ -83,7 +83,7 @@ async def _serve(settings: controller_settings.ControllerSettings) -> None:
             settings.failover.window_s, settings.failover.strikes,
         )  # fmt: skip
 
-    await service.serve(
+    await serving.serve(
         create_app(settings), host=settings.server.host, port=settings.server.port, on_ready=ready
     )
 

@@ -19,11 +19,11 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from controlplane.clock import Clock
 from controlplane.errors import NotLeader, StoreUnavailable
 from controlplane.store import Lease, Store
 from controlplane.store.etcd import Fence
-from wire import keys
+from meridian_service.clock import Clock
+from meridian_wire import keys
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-import service
 from controlplane.api.settings import ApiSettings
 from controlplane.dns.settings import DnsSettings
-from wire.models import REGION_ID, RESIDENCY_TAG
+from meridian_service import settings as settings_loading
+from meridian_wire.models import REGION_ID, RESIDENCY_TAG
 
 
 class _Group(BaseModel):
@@ -177,4 +177,6 @@ def load(
     *, config_file: Path | None = None, overrides: dict[str, Any] | None = None
 ) -> ControllerSettings:
     """Settings from flags (``overrides``) > environment > ``config_file`` > defaults."""
-    return service.load_settings(ControllerSettings, config_file=config_file, overrides=overrides)
+    return settings_loading.load_settings(
+        ControllerSettings, config_file=config_file, overrides=overrides
+    )

@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import click
 from click.shell_completion import CompletionItem
 
+from meridian_wire.models import REGION_ID
 from meridianctl import config as ctl_config
 from meridianctl.client import Client
 from meridianctl.errors import CtlError, Exit
-from wire.models import REGION_ID
 
 F = TypeVar("F", bound=Callable[..., Any])
 

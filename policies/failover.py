@@ -227,7 +227,7 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
-    """A change, for the shell to log and store (``wire.models.Event``)."""
+    """A change, for the shell to log and store (``meridian_wire.models.Event``)."""
 
     kind: EventKind
     region: RegionId | None

@@ -17,12 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
+from meridian_service.clock import Clock, MonotonicClock
 from policies import admission, routing
 from policies.groups import GroupId
 from policies.model import AdminState
 from regional_agent import admin, autoscaler
 from regional_agent.app_state import AGENT, Agent
-from regional_agent.clock import Clock, MonotonicClock
 from regional_agent.discovery import make_node, refresh_models
 from regional_agent.errors import AgentError, BodyTooLarge, QueueFull, UpstreamError
 from regional_agent.health import HealthMonitor

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from meridian_service.clock import Clock
 from policies import admission, routing
-from regional_agent.clock import Clock
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments

@@ -24,7 +24,8 @@ from typing import Any
 
 import pydantic
 
-import service
+from meridian_service import serving
+from meridian_service import settings as settings_loading
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app
 
@@ -118,7 +119,7 @@ async def _serve(settings: agent_settings.Settings) -> None:
         elif region.id is not None:
             log.warning("region=%s set without etcd: not publishing (pass --etcd URL)", region.id)
 
-    await service.serve(
+    await serving.serve(
         create_app(settings),
         host=settings.server.host,
         port=settings.server.port,
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
     except pydantic.ValidationError as exc:
-        print(f"meridian-agent: {service.explain(exc)}", file=sys.stderr)
+        print(f"meridian-agent: {settings_loading.explain(exc)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)

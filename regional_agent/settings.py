@@ -19,7 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-import service
+from meridian_service import settings as settings_loading
 from policies import routing
 
 
@@ -223,9 +223,9 @@ class TelemetryExportSettings(_Group):
     console_spans: bool = Field(False, description="print OpenTelemetry spans to stderr")
 
 
-_REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as wire.models.REGION_ID
-_RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as wire.models.RESIDENCY_TAG
-_AGENT_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as wire.keys.AGENT_ID
+_REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as meridian_wire.models.REGION_ID
+_RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as meridian_wire.models.RESIDENCY_TAG
+_AGENT_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as meridian_wire.keys.AGENT_ID
 _GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,62}$")
 
 
@@ -451,4 +451,4 @@ class Settings(BaseSettings):
 
 def load(*, config_file: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Settings from flags (``overrides``) > environment > ``config_file`` > defaults."""
-    return service.load_settings(Settings, config_file=config_file, overrides=overrides)
+    return settings_loading.load_settings(Settings, config_file=config_file, overrides=overrides)

@@ -27,11 +27,11 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from meridian_wire.models import GroupLayout
 from policies import groups, routing
 from policies.groups import GroupId, Kind, Range, Table
 from policies.model import Decision, NodeId, NodeView, RequestView
 from regional_agent.settings import GROUPS_POLICY, GroupTableSettings
-from wire.models import GroupLayout
 
 KINDS: tuple[Kind, ...] = ("prefix", "session")
 

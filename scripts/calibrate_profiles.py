@@ -7,9 +7,9 @@ Usage::
 
 ``CALIBRATION_DIR`` defaults to ``../shared/calibration`` relative to the repository root and must
 hold vidur's ``*_mlp.csv`` tables for A100 Llama-2-7B, A100 Meta-Llama-3-8B and H100 Llama-2-7B.
-The script writes ``h100-llama3-8b.toml`` and ``a100-llama3-8b.toml`` (to ``simulator/profiles``
+The script writes ``h100-llama3-8b.toml`` and ``a100-llama3-8b.toml`` (to ``meridian_sim/profiles``
 unless ``--out-dir`` says otherwise), prints the derived numbers, then loads the written files
-with ``simulator.profile.load`` and prints a sanity check against the field notes and llm-d's
+with ``meridian_sim.profile.load`` and prints a sanity check against the field notes and llm-d's
 simulator.  See ``docs/calibration.md`` for the method.  Standard library only.
 """
 
@@ -438,7 +438,7 @@ class StepFn:
 
     def __init__(self, profile_path: Path) -> None:
         sys.path.insert(0, str(REPO_ROOT))
-        from simulator.profile import load
+        from meridian_sim.profile import load
 
         self.profile = load(str(profile_path))
 

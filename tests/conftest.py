@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator import node, profile
+from meridian_sim import node, profile
 from tests.support import BindServer, EtcdServer, start_bind, start_etcd
 from tests.support.agent import AgentFactory, AgentStarter
 

@@ -42,15 +42,15 @@ from controlplane.api.models import (
     StoredPolicies,
 )
 from controlplane.api.problems import ApiProblem, Conflict, Invalid, NotFound, Unavailable
-from controlplane.clock import Clock
 from controlplane.election import Election
 from controlplane.errors import ControllerError
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
-from wire import keys
-from wire.models import RegionOverride
+from meridian_service.clock import Clock
+from meridian_wire import keys
+from meridian_wire.models import RegionOverride
 
 _EPS = 1e-9
 log = logging.getLogger(__name__)

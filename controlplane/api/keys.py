@@ -1,5 +1,5 @@
-"""The admin API's keys under ``/meridian/v1/`` (besides ``wire.keys``' ``regions/<r>/override``
-and ``audit/``):
+"""The admin API's keys under ``/meridian/v1/`` (besides ``meridian_wire.keys``'
+``regions/<r>/override`` and ``audit/``):
 
 =============================  ==========  ====================================================
 key                            writer      value
@@ -10,14 +10,14 @@ controller/admin               leader      ``AdminEndpoint``: where to forward w
 idempotency/<hash>             leader      ``IdempotencyRecord``: the answer to one key
 =============================  ==========  ====================================================
 
-Only the controller reads them, so they live here rather than in ``wire``.
+Only the controller reads them, so they live here rather than in ``meridian_wire``.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from wire.keys import PREFIX
+from meridian_wire.keys import PREFIX
 
 POLICIES: Final = PREFIX + "controller/policies"
 ADMIN: Final = PREFIX + "controller/admin"

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wire.models import DnsApplied
+from meridian_wire.models import DnsApplied
 
 Action = Literal["drain", "undrain", "failover", "failback", "policies"]
 

@@ -56,8 +56,8 @@ from controlplane.api.problems import BadRequest, NotFound
 from controlplane.api.settings import Role
 from controlplane.dns import bindconf
 from controlplane.reconcile import fleet
-from wire import keys
-from wire.models import REGION_ID, DnsApplied, Event
+from meridian_wire import keys
+from meridian_wire.models import REGION_ID, DnsApplied, Event
 
 if TYPE_CHECKING:
     from controlplane.api.server import Replica

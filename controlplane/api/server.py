@@ -39,13 +39,13 @@ from controlplane.api.problems import (
     Unavailable,
     response,
 )
-from controlplane.clock import Clock
 from controlplane.election import Election
 from controlplane.errors import ControllerError, NotLeader, StoreUnavailable
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
-from wire import keys
+from meridian_service.clock import Clock
+from meridian_wire import keys
 
 log = logging.getLogger(__name__)
 

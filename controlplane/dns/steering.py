@@ -5,8 +5,8 @@ it after every window.  One pass is level-based: read the fleet from etcd (the p
 ``serving`` shares, each region's judged state, backup and last endpoints), compute the
 desired records (``policies.dns_plan``), read what each view serves, and send each view only
 the difference (``rfc2136``) — nothing when nothing changed.  ``dns/applied`` in etcd
-(``wire.models.DnsApplied``) records the generation applied, the records, and the last error;
-it is written, fenced, only when one of them changes.
+(``meridian_wire.models.DnsApplied``) records the generation applied, the records, and the last
+error; it is written, fenced, only when one of them changes.
 
 The loop never blocks the window loop.  When the server is down, refuses the key or etcd is
 unreachable, the pass fails, the newest plan is kept, and the loop retries with exponential
@@ -27,7 +27,6 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from controlplane.clock import Clock
 from controlplane.dns.errors import DnsError, DnsRefused
 from controlplane.dns.rfc2136 import Client, normalize
 from controlplane.errors import NotLeader, StoreUnavailable
@@ -35,9 +34,10 @@ from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
+from meridian_service.clock import Clock
+from meridian_wire import keys
+from meridian_wire.models import DnsApplied, DnsRecord, DnsViewApplied
 from policies import dns_plan
-from wire import keys
-from wire.models import DnsApplied, DnsRecord, DnsViewApplied
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,8 @@ import pydantic
 
 from controlplane.errors import BadValue
 from controlplane.store import Entry, Store
-from policies import groups
-from wire import keys
-from wire.models import (
+from meridian_wire import keys
+from meridian_wire.models import (
     FleetPlan,
     GroupTable,
     RegionDesired,
@@ -40,6 +39,7 @@ from wire.models import (
     RegionOverride,
     RegionStatus,
 )
+from policies import groups
 
 log = logging.getLogger(__name__)
 

@@ -31,15 +31,13 @@ import pydantic
 
 from controlplane.api import keys as api_keys
 from controlplane.api.models import PolicyValues, StoredPolicies
-from controlplane.clock import Clock
 from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
-from policies import failover
-from policies.failover import RegionId
-from wire import keys
-from wire.models import (
+from meridian_service.clock import Clock
+from meridian_wire import keys
+from meridian_wire.models import (
     Event,
     FleetPlan,
     RegionDesired,
@@ -47,6 +45,8 @@ from wire.models import (
     RegionOverride,
     RegionStatus,
 )
+from policies import failover
+from policies.failover import RegionId
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The simulator actuator: capacity from ``meridian-sim node`` processes the agent runs itself.
 
-Below the floor it starts ``python -m simulator.cli node --port 0 --profile P --time-scale X``
+Below the floor it starts ``python -m meridian_sim.cli node --port 0 --profile P --time-scale X``
 processes (as many as the deficit needs, at most ``autoscaler.max_nodes`` at once), reads the
 ``READY http://...`` line each prints, and adds the node to the pool by the path the admin API
 uses (``discovery.make_node``, ``pool.add``, ``refresh_models``).  Above the floor it scales down
@@ -132,7 +132,7 @@ class SimulatorActuator:
             *self._prefix,
             sys.executable,
             "-m",
-            "simulator.cli",
+            "meridian_sim.cli",
             "node",
             "--port",
             "0",

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from meridian_service.clock import Clock
 from policies import health
 from policies.model import Health, NodeId
-from regional_agent.clock import Clock
 from regional_agent.errors import UpstreamError
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import HealthSettings

@@ -39,6 +39,8 @@ from collections.abc import Callable
 
 import pydantic
 
+from meridian_wire import keys
+from meridian_wire.models import RegionDesired, RegionStatus
 from regional_agent.app_state import Agent
 from regional_agent.errors import LeaseLost, StoreError
 from regional_agent.publisher import status
@@ -48,8 +50,6 @@ from regional_agent.publisher.tables import TableSync
 from regional_agent.retry import Backoff
 from regional_agent.settings import RegionSettings
 from regional_agent.tables import GroupTables
-from wire import keys
-from wire.models import RegionDesired, RegionStatus
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from meridian_wire.models import GroupLayout, RegionDesired, RegionLoad, RegionStatus
 from regional_agent.app_state import Agent
 from regional_agent.publisher.load import WindowLoad
 from regional_agent.settings import RegionSettings
-from wire.models import GroupLayout, RegionDesired, RegionLoad, RegionStatus
 
 # Absolute steps below which a load figure is noise, whatever its relative move.
 _LOAD_STEPS: dict[str, float] = {

@@ -32,14 +32,14 @@ from collections.abc import Callable
 
 import pydantic
 
+from meridian_service.clock import Clock
+from meridian_wire import keys
+from meridian_wire.models import GroupTable
 from policies.groups import Kind, Range
-from regional_agent.clock import Clock
 from regional_agent.errors import StoreError
 from regional_agent.publisher.store import KeyValue, LeaseId, Snapshot, Store
 from regional_agent.retry import Backoff
 from regional_agent.tables import KINDS, GroupTables, Publish, Stored
-from wire import keys
-from wire.models import GroupTable
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from meridian_service.clock import Clock
 from policies import admission, routing
 from policies.model import Decision, NodeId, NodeView, RequestView
-from regional_agent.clock import Clock
 from regional_agent.errors import DeadlineExceeded, NoCapacity, QueueFull, UnknownModel
 from regional_agent.nodes import NodePool
 from regional_agent.settings import QueueSettings

@@ -24,8 +24,8 @@ import functools
 import logging
 from dataclasses import dataclass
 
+from meridian_service.clock import Clock
 from policies.model import NodeId, Telemetry
-from regional_agent.clock import Clock
 from regional_agent.errors import UpstreamError
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import TelemetrySettings

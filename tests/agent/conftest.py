@@ -42,7 +42,7 @@ def sim_processes() -> Iterator[Callable[..., list[SimProcess]]]:
                 [
                     sys.executable,
                     "-m",
-                    "simulator.cli",
+                    "meridian_sim.cli",
                     "node",
                     "--port",
                     "0",

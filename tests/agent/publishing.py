@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import aetcd
 
+from meridian_wire import keys
+from meridian_wire.models import RegionStatus
 from tests.support import EtcdServer
-from wire import keys
-from wire.models import RegionStatus
 
 T = TypeVar("T")
 REGION = "eu-west"

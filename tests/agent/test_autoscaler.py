@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from meridian_wire.models import RegionStatus
 from regional_agent.autoscaler import Autoscaler, Command, DryRun, SimulatorActuator, plan
 from regional_agent.errors import ActuatorError
 from tests.agent import publishing
@@ -19,7 +20,6 @@ from tests.agent.publishing import eventually, put_desired, region, status
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
-from wire.models import RegionStatus
 
 MODEL = "tiny-model"
 AUTOSCALER_LOG = "regional_agent.autoscaler"

@@ -16,10 +16,12 @@ from typing import Any
 
 import aiohttp
 
+from meridian_service.clock import MonotonicClock
+from meridian_wire import keys
+from meridian_wire.models import GroupTable
 from policies import groups
 from policies.groups import GroupId
 from policies.model import NodeId
-from regional_agent.clock import MonotonicClock
 from regional_agent.publisher.store import LeaseId, Store
 from regional_agent.publisher.tables import TableSync
 from regional_agent.retry import Backoff
@@ -30,8 +32,6 @@ from tests.agent.publishing import REGION, eventually, region
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes
-from wire import keys
-from wire.models import GroupTable
 
 MODEL = "tiny-model"
 FAST_TABLES = {"debounce_s": 0.2}

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
+from meridian_service.clock import MonotonicClock
 from policies.model import Health, NodeId
-from regional_agent.clock import MonotonicClock
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import HealthSettings

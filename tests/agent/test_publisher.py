@@ -25,6 +25,8 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meridian_wire import keys
+from meridian_wire.models import RegionLoad, RegionStatus
 from regional_agent import cli
 from regional_agent import settings as agent_settings
 from regional_agent.errors import LeaseLost, StoreUnavailable
@@ -42,8 +44,6 @@ from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
 from tests.support.etcd import HOST
 from tests.support.ports import free_port
 from tests.support.process import ServerProcess
-from wire import keys
-from wire.models import RegionLoad, RegionStatus
 
 PUBLISHER_LOG = "regional_agent.publisher.publisher"
 MODEL = "tiny-model"

@@ -1,6 +1,6 @@
 """Telemetry: parsing real vLLM pages, and the scraper against real servers on loopback.
 
-Simulated nodes (``sim_node``, or ``simulator.node`` where a test controls a node's lifetime)
+Simulated nodes (``sim_node``, or ``meridian_sim.node`` where a test controls a node's lifetime)
 give real values; a small page server gives exact counter sequences.  Time is a fake clock the
 test sets, so ages and staleness never depend on how fast the machine is.
 """
@@ -17,14 +17,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from meridian_sim import node as sim
+from meridian_sim import profile
 from policies.model import NodeId
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import TelemetrySettings
 from regional_agent.telemetry import Scrape, Scraper, TelemetryError
 from regional_agent.telemetry.parse import parse
 from regional_agent.upstream.client import NodeClient
-from simulator import node as sim
-from simulator import profile
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import _trace_prompts as tp
 
+from meridian_sim.workloads import TraceRequest
 from policies import prompt
-from simulator.workloads import TraceRequest
 
 BLOCK = 16  # the simulated nodes' KV block size
 

@@ -26,10 +26,10 @@ from controlplane.api.server import ADMIN_API
 from controlplane.app import Controller
 from controlplane.errors import StoreUnavailable
 from controlplane.store.etcd import Fence
+from meridian_wire import keys
+from meridian_wire.models import FleetPlan, RegionHealth, RegionOverride
 from tests.meridianctl.stack import TOKENS, Stack
 from tests.support import EtcdServer, until
-from wire import keys
-from wire.models import FleetPlan, RegionHealth, RegionOverride
 
 AUTH = {role: {"Authorization": f"Bearer {t}"} for role, t in TOKENS.items()}
 

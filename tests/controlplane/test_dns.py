@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 
-from controlplane.clock import Clock as ClockProtocol
 from controlplane.dns import rfc2136, steering
 from controlplane.dns.errors import DnsRefused
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from meridian_service.clock import Clock as ClockProtocol
+from meridian_wire import keys
+from meridian_wire.models import DnsApplied, RegionStatus
 from policies.dns_plan import Change, RecordSet
 from tests.controlplane.dns_helpers import (
     API,
@@ -39,8 +41,6 @@ from tests.controlplane.dns_helpers import (
     view_settings,
 )
 from tests.support import BindServer, ManualClock
-from wire import keys
-from wire.models import DnsApplied, RegionStatus
 
 WINDOW_S = 30.0
 EU, US = "127.0.0.2", "127.0.0.1"  # the client addresses of the geo-a and default views

@@ -19,6 +19,8 @@ from aiohttp import web
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from meridian_wire import keys
+from meridian_wire.models import DnsApplied, RegionHealth, RegionStatus
 from tests.controlplane.dns_helpers import (
     API,
     ENDPOINTS,
@@ -33,8 +35,6 @@ from tests.controlplane.dns_helpers import (
     srv_weights,
 )
 from tests.support import BindServer, EtcdServer, cancel_all, relaunch_bind
-from wire import keys
-from wire.models import DnsApplied, RegionHealth, RegionStatus
 
 WINDOW_S = 0.4
 EU, US = "127.0.0.2", "127.0.0.1"

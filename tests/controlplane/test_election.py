@@ -7,13 +7,13 @@ import contextlib
 
 import pytest
 
-from controlplane.clock import WallClock
 from controlplane.election import Election
 from controlplane.errors import NotLeader, StoreUnavailable
 from controlplane.store import Store
 from controlplane.store.etcd import Fence
+from meridian_service.clock import WallClock
+from meridian_wire import keys
 from tests.support import EtcdServer, cancel_all
-from wire import keys
 
 
 async def _until(predicate: object, timeout_s: float) -> None:

@@ -7,9 +7,9 @@ import pytest
 
 from controlplane.reconcile import fleet
 from controlplane.store import Store
+from meridian_wire import keys
+from meridian_wire.models import GroupLayout, GroupTable, RegionLoad, RegionStatus
 from policies import groups
-from wire import keys
-from wire.models import GroupLayout, GroupTable, RegionLoad, RegionStatus
 
 NOW = 1_800_000_000.0
 

@@ -1,7 +1,7 @@
 """The controller when what it depends on fails: a leader dies, an etcd member dies, etcd dies.
 
 Controllers run as in production (``create_app``: election, window loop) with short windows;
-regions are published into etcd by a small stand-in agent loop (``wire`` keys and models).
+regions are published into etcd by a small stand-in agent loop (``meridian_wire`` keys and models).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.errors import NotLeader
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from meridian_wire import keys
+from meridian_wire.models import RegionHealth, RegionStatus
 from tests.support import (
     EtcdServer,
     cancel_all,
@@ -28,8 +30,6 @@ from tests.support import (
     start_etcd_cluster,
     until,
 )
-from wire import keys
-from wire.models import RegionHealth, RegionStatus
 
 WINDOW_S = 0.4
 REGIONS = ({"id": "eu-west", "geo": "eu", "residency": ["eu"]},

@@ -1,8 +1,8 @@
 """The window loop against real etcd, one pass at a time with a driven clock.
 
-Regions here are published straight into etcd the way an agent does (``wire`` keys and models),
-so each test controls exactly what the controller sees; the agent's own publisher is tested in
-tests/agent/test_publisher.py and both together in test_controller_e2e.py.
+Regions here are published straight into etcd the way an agent does (``meridian_wire`` keys and
+models), so each test controls exactly what the controller sees; the agent's own publisher is
+tested in tests/agent/test_publisher.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from controlplane.reconcile import fleet, windows
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from meridian_wire import keys
+from meridian_wire.models import FleetPlan, RegionDesired, RegionHealth, RegionLoad, RegionStatus
 from tests.support import EtcdServer, ManualClock
-from wire import keys
-from wire.models import FleetPlan, RegionDesired, RegionHealth, RegionLoad, RegionStatus
 
 WINDOW_S = 30.0
 

@@ -1,6 +1,7 @@
 """A live local stack for the admin API and meridianctl tests: real etcd, real controller
 replicas (``create_app``: election, window loop, admin API on a free port), and stand-in
-agents that publish their regions into etcd the way an agent does (``wire`` keys and models).
+agents that publish their regions into etcd the way an agent does (``meridian_wire`` keys and
+models).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from controlplane.api.server import ADMIN_API
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
 from controlplane.store import Store
+from meridian_wire import keys
+from meridian_wire.models import RegionLoad, RegionStatus
 from tests.support import cancel_all, until
-from wire import keys
-from wire.models import RegionLoad, RegionStatus
 
 WINDOW_S = 0.5
 TOKENS = {"viewer": "viewer-secret-token", "operator": "operator-secret-token",

@@ -15,14 +15,14 @@ import pytest
 from click.testing import CliRunner
 
 from controlplane.api.settings import TokenEntry
+from meridian_wire import keys
+from meridian_wire.models import DnsApplied, DnsRecord, DnsViewApplied, RegionHealth
 from meridianctl import config as ctl_config
 from meridianctl.cli import cli
 from meridianctl.errors import CtlError, Exit
 from tests.meridianctl.conftest import Ctl
 from tests.meridianctl.stack import REGIONS, Stack, token_settings
 from tests.support import EtcdServer, free_port
-from wire import keys
-from wire.models import DnsApplied, DnsRecord, DnsViewApplied, RegionHealth
 
 
 async def _state(stack: Stack, region: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from simulator import profile
+from meridian_sim import profile
 from tests.conftest import NodeFactory
 
 __all__ = ["NodeFactory", "small_profile"]

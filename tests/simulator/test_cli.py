@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-SIM = [sys.executable, "-m", "simulator.cli"]
+SIM = [sys.executable, "-m", "meridian_sim.cli"]
 
 
 @pytest.fixture

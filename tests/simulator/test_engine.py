@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.engine import Engine, RequestRecord, StepResult
+from meridian_sim.engine import Engine, RequestRecord, StepResult
 from tests.simulator.conftest import small_profile
 
 
@@ -186,7 +186,7 @@ def test_abort_frees_blocks_and_counts_as_abort() -> None:
 
 
 def test_step_time_grows_with_batch_and_prefill() -> None:
-    from simulator import profile
+    from meridian_sim import profile
 
     h100 = profile.load("h100-llama3-8b")
     engine = Engine(h100, rng=random.Random(0))

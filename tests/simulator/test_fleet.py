@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
+from meridian_sim import fleet, profile, workloads
+from meridian_sim.fleet.sim import Fleet, _Agent
 from policies.model import NodeId, NodeView
-from simulator import fleet, profile, workloads
-from simulator.fleet.sim import Fleet, _Agent
 
 H100 = profile.load("h100-llama3-8b")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator import cli
+from meridian_sim import cli
 
 REQUIRED = (
     "ttft_p50_s",
@@ -92,7 +92,7 @@ def test_a_bad_trace_exits_2_naming_line_and_field(
 
 
 def test_progress_goes_to_stderr_in_a_real_process(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "simulator.cli", "fleet", "--trace", str(_trace(tmp_path))]
+    argv = [sys.executable, "-m", "meridian_sim.cli", "fleet", "--trace", str(_trace(tmp_path))]
     argv += ["--nodes", "2", "--policy", "oracle", "--load", "0.8"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

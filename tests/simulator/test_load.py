@@ -12,7 +12,7 @@ import random
 
 import aiohttp
 
-from simulator import offline, profile
+from meridian_sim import offline, profile
 from tests.simulator.conftest import NodeFactory
 from tests.simulator.test_node import _count, _scrape, _sum, _value
 

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from simulator import offline, profile
-from simulator.engine import Engine
+from meridian_sim import offline, profile
+from meridian_sim.engine import Engine
 from tests.simulator.conftest import NodeFactory, small_profile
 
 _CPU_TINY = Path(profile.__file__).parent / "profiles" / "cpu-tiny.toml"

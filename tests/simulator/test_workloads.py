@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from meridian_sim import profile, workloads
 from policies import prompt
-from simulator import profile, workloads
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 MOONCAKE = SHARED / "mooncake_conversation_trace.jsonl"

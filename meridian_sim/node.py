@@ -28,11 +28,11 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from meridian_sim.engine import Engine, RequestRecord, RequestTooLarge, TokenEvent
+from meridian_sim.faults import FaultError, Faults
+from meridian_sim.metrics import CONTENT_TYPE, NodeMetrics
+from meridian_sim.profile import Profile
 from policies import prompt
-from simulator.engine import Engine, RequestRecord, RequestTooLarge, TokenEvent
-from simulator.faults import FaultError, Faults
-from simulator.metrics import CONTENT_TYPE, NodeMetrics
-from simulator.profile import Profile
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import service
+from meridian_service import serving
+from meridian_sim import fleet, node, profile, workloads
 from policies import routing
-from simulator import fleet, node, profile, workloads
 
 log = logging.getLogger("meridian.sim")
 
@@ -192,7 +192,7 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
         )  # fmt: skip
 
     app = node.create_app(config, exit_hook=exit_now)
-    await service.serve(app, host=host, port=port, handler_cancellation=True, on_ready=ready)
+    await serving.serve(app, host=host, port=port, handler_cancellation=True, on_ready=ready)
 
 
 def _format(value: float | int | str) -> str:

@@ -1,7 +1,7 @@
 """A vLLM-like engine core: continuous batching over a paged KV cache with prefix caching.
 
 The engine does no I/O and reads no clock: the caller passes ``now`` (seconds, in the
-simulation's own time) and owns the loop.  The HTTP node (``simulator.node``) steps it in real
+simulation's own time) and owns the loop.  The HTTP node (``meridian_sim.node``) steps it in real
 time; the fleet simulator steps it in virtual time.  One call to :meth:`Engine.step` is one
 forward pass of vLLM's V1 engine:
 
@@ -12,7 +12,7 @@ forward pass of vLLM's V1 engine:
    that needs a new KV block when none is free preempts the most recently admitted running
    request (recompute: its blocks are freed, it goes back to the front of the queue).  No
    waiting request is admitted in a step that preempted.
-2. **Cost**.  The step's duration comes from the profile (``simulator.profile``): tokens in the
+2. **Cost**.  The step's duration comes from the profile (``meridian_sim.profile``): tokens in the
    step, KV tokens read by decoding requests, and prefill attention pairs.
 3. **Advance**.  Every request whose tokens are all in the KV cache after the step samples one
    token, stamped at the end of the step.  A request stops at its target length (``length``
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from meridian_sim.profile import Profile
 from policies import prompt
-from simulator.profile import Profile
 
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 

@@ -23,8 +23,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from simulator.engine import FINISH_REASONS, Engine, RequestRecord, StepResult
-from simulator.profile import Profile
+from meridian_sim.engine import FINISH_REASONS, Engine, RequestRecord, StepResult
+from meridian_sim.profile import Profile
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -48,9 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, overload
 
+from meridian_sim.engine import Engine
+from meridian_sim.profile import Profile
 from policies import prompt
-from simulator.engine import Engine
-from simulator.profile import Profile
 
 MOONCAKE_BLOCK_TOKENS: Final = 512
 _FRESH_ID_BASE: Final = 1 << 40  # ids handed out to requests without prefix information

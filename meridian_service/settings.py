@@ -1,20 +1,11 @@
-"""Process plumbing shared by Meridian's servers: settings loading and serving until a signal.
-
-``regional_agent``, ``controlplane`` and ``simulator`` may import this package; it imports none
-of ours.
-"""
+"""Settings files and flags into one pydantic-settings object, and its errors in words."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic
-from aiohttp import web
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
 S = TypeVar("S", bound=BaseSettings)
@@ -52,36 +43,3 @@ def explain(exc: pydantic.ValidationError) -> str:
         f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
     ]
     return "invalid settings:\n" + "\n".join(lines)
-
-
-async def serve(
-    app: web.Application,
-    *,
-    host: str,
-    port: int,
-    handler_cancellation: bool = False,
-    on_ready: Callable[[int], None] | None = None,
-) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then clean up; ``on_ready(port)`` once bound.
-
-    Signal handlers are installed before ``READY http://host:port`` is printed, so a supervisor
-    that signals right after reading the line never kills the process uncleanly.
-    """
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        bound = int(sockets[0].getsockname()[1]) if sockets else port
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        if on_ready is not None:
-            on_ready(bound)
-        print(f"READY http://{host}:{bound}", flush=True)
-        await stop.wait()
-    finally:
-        await runner.cleanup()

@@ -1,7 +1,7 @@
 """The fleet simulator: hundreds of simulated vLLM engines behind regional agents, in virtual
 time, routed by the same ``policies`` code as the agent (``meridian-sim fleet``)."""
 
-from simulator.fleet.sim import (
+from meridian_sim.fleet.sim import (
     POLICIES,
     Fleet,
     FleetConfig,

@@ -25,7 +25,7 @@ Every window it prints each region's judged state, strikes, weight, capacity and
 leader, the plan's eu/us shares, and what ``dig -b 127.0.0.2`` (eu) and ``dig -b 127.0.0.1``
 (us) are told: A records and SRV priority/weight; events as the controller records them.
 
-    python -m controlplane.demo [--window-s 2]
+    python -m meridian_demo.fleet [--window-s 2]
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Fleet:
         for i in range(int(info["nodes"])):  # type: ignore[call-overload]
             p = self.spawn(
                 f"{region}-node{i}",
-                [sys.executable, "-m", "simulator.cli", "node", "--port", "0",
+                [sys.executable, "-m", "meridian_sim.cli", "node", "--port", "0",
                  "--profile", "h100-llama3-8b", "--seed", str(i), "--log-level", "WARNING"],
             )  # fmt: skip
             nodes.append(self.ready(p).url)

@@ -10,7 +10,7 @@ many client requests failed.
 
 Later issues put etcd, the controller and DNS around this region.
 
-    python -m simulator.demo [--requests 240] [--concurrency 16] [--time-scale 1]
+    python -m meridian_demo.region [--requests 240] [--concurrency 16] [--time-scale 1]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from simulator.offline import percentile
+from meridian_sim.offline import percentile
 
 ADMIN_TOKEN = "demo-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(4):
             node = _start(
                 f"node-{i + 1}",
-                ["simulator.cli", "node", "--port", "0", "--profile", args.profile,
+                ["meridian_sim.cli", "node", "--port", "0", "--profile", args.profile,
                  "--time-scale", str(args.time_scale), "--seed", str(args.seed + i),
                  "--log-level", "WARNING"],
             )  # fmt: skip

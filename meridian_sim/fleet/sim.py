@@ -2,14 +2,14 @@
 
 One event loop (a heap of timed events, ties in the order they were scheduled) drives:
 
-- **Nodes.**  One :class:`simulator.engine.Engine` per GPU, the same engine and profile as
+- **Nodes.**  One :class:`meridian_sim.engine.Engine` per GPU, the same engine and profile as
   ``meridian-sim node``.  A busy node's step is computed when it starts (the batch is fixed
   then) and its results — tokens, finished requests — land when it ends; the next step starts
   at once while work remains, as in the offline replay.  An idle node starts a step as soon as
   a request reaches it.
 - **Regional agents.**  Each region has ``agents_per_region`` agent replicas (default one).
   Each agent has its own routing policy from ``policies.routing.create`` (or
-  :class:`~simulator.fleet.oracle.Oracle`) with its own rotation, prefix index and rng, its own
+  :class:`~meridian_sim.fleet.oracle.Oracle`) with its own rotation, prefix index and rng, its own
   central queue, its own accounting and its own telemetry.  What an agent knows of a node is
   what ``regional_agent.nodes.NodePool.view`` gives the policy: ``in_flight`` and
   ``in_flight_tokens`` (prompt plus ``max_tokens``), counted when *this agent* sends a request
@@ -54,14 +54,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, TextIO
 
+from meridian_sim import workloads
+from meridian_sim.engine import Engine, RequestRecord, StepResult
+from meridian_sim.fleet.oracle import Oracle
+from meridian_sim.offline import percentile
+from meridian_sim.profile import Profile
+from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
 from policies import admission, routing
 from policies.model import NodeId, NodeView, RequestView, Telemetry
-from simulator import workloads
-from simulator.engine import Engine, RequestRecord, StepResult
-from simulator.fleet.oracle import Oracle
-from simulator.offline import percentile
-from simulator.profile import Profile
-from simulator.workloads import BlockHasher, TraceRequest, prompt_of
 
 POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, "oracle")
 MODEL: Final = "model"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from controlplane import demo
+from meridian_demo import fleet as demo
 
 
 def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from simulator import demo
+from meridian_demo import region as demo
 
 
 def test_demo_runs_drains_kills_and_reports(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,8 +12,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.engine import Engine, RequestRecord
-from simulator.profile import Profile
+from meridian_sim.engine import Engine, RequestRecord
+from meridian_sim.profile import Profile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

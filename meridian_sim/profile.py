@@ -1,6 +1,6 @@
 """GPU timing profiles for simulated vLLM nodes.
 
-A profile is a TOML data file in ``simulator/profiles/`` (or any path) that says how big the
+A profile is a TOML data file in ``meridian_sim/profiles/`` (or any path) that says how big the
 node's KV cache is, how vLLM's scheduler is configured, and how long one engine step takes::
 
     step_ms = step_overhead_ms
@@ -95,7 +95,7 @@ class Profile:
 
 
 def builtin_names() -> list[str]:
-    folder = resources.files("simulator").joinpath("profiles")
+    folder = resources.files("meridian_sim").joinpath("profiles")
     return sorted(
         p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml")
     )
@@ -110,7 +110,7 @@ def load(name_or_path: str) -> Profile:
         except OSError as exc:
             raise ProfileError(f"cannot read profile file {path}: {exc.strerror}") from exc
         return parse(text, source=str(path))
-    resource = resources.files("simulator").joinpath("profiles", f"{name_or_path}.toml")
+    resource = resources.files("meridian_sim").joinpath("profiles", f"{name_or_path}.toml")
     if not resource.is_file():
         known = ", ".join(builtin_names())
         raise ProfileError(f"unknown profile {name_or_path!r}; built-in profiles: {known}")
