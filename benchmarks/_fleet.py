@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from meridian_sim import fleet, profile, workloads  # noqa: E402
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = ROOT / "data" / "workloads" / "mooncake_conversation_trace.jsonl"
 MAX_MODEL_LEN = 131_072  # Llama-3.1-8B's context: the Mooncake trace has 126k-token prompts
 
 

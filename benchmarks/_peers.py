@@ -13,7 +13,8 @@ pinned version is left alone.
 A benchmark starts one with :func:`start`, which returns once the router's ``GET /health``
 answers 200, and stops it with :meth:`RunningPeer.stop`.  Every router runs at log level
 ``warning``: sglang-router and smg log two lines per request at their default level, which costs
-them 15-26 % of their throughput (``../shared/FIELD-NOTES.md``), and Meridian's agent runs at
+them 15-26 % of their throughput (measured on the development machine; docs/benchmarks.md,
+"The peer routers"), and Meridian's agent runs at
 ``WARNING`` in the benchmarks too.
 """
 

@@ -13,7 +13,7 @@ scrape interval (0.25 s), the first ``--window-s`` virtual seconds of arrivals (
 its first 1,500 requests) at 80 % load on ``--target-sizes`` GPUs.  Nodes: ``h100-llama3-8b``
 with a 128k context.  Writes ``cache_by_size.{json,md,png}``.
 
-    python benchmarks/cache_by_size.py [--quick] [--trace ../shared/workloads/...jsonl]
+    python benchmarks/cache_by_size.py [--quick] [--trace data/workloads/...jsonl]
         [--jobs 2] [--out-dir benchmarks/results]
 """
 

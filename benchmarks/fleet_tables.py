@@ -12,7 +12,7 @@ Workload: the Mooncake conversation trace, scaled to each load of the fleet's ca
 arrivals (at least ``--min-requests``); every request runs to completion.  Nodes:
 ``h100-llama3-8b`` with a 128k context.  Writes ``fleet_tables.{json,md,png}``.
 
-    python benchmarks/fleet_tables.py [--quick] [--trace ../shared/workloads/...jsonl]
+    python benchmarks/fleet_tables.py [--quick] [--trace data/workloads/...jsonl]
         [--claim-agents 1,4] [--jobs 2] [--out-dir benchmarks/results]
 """
 

@@ -37,7 +37,7 @@ per GPU; the last window is thinned by conversation.  The prefix key is the firs
 (1,024 tokens), hashed into 16,384 buckets.
 
 Ground truth.  Each GPU's prefix cache is an LRU of 512-token blocks, 868 per GPU (an H100 with
-Llama-3-8B holds 27,793 blocks of 16 tokens, ../shared/FIELD-NOTES.md: 444,688 tokens).  A
+Llama-3-8B holds 27,793 blocks of 16 tokens in a real vLLM log: 444,688 tokens).  A
 request's blocks are cached on its GPU when it arrives, deepest first, so a prompt's first
 blocks go last (vLLM frees blocks in reverse).  A request occupies its GPU for 30 ms + 250 µs
 per uncached prompt token + 12 ms per output token (llm-d's simulator, 8B on H100); "load" is
@@ -49,7 +49,7 @@ a group that holds it); *block recall* is the cached leading blocks used over th
 had made; *load joined* is the requests in flight on the GPU a request joined (mean / p99).
 
     python benchmarks/group_tables.py
-        [--trace ../shared/workloads/mooncake_conversation_trace.jsonl]
+        [--trace data/workloads/mooncake_conversation_trace.jsonl]
         [--gpus 16,64,256] [--windows-s 0.1,1] [--speedups 1,10,100] [--modes flat,group]
         [--in-group hash,least-load] [--agents 2] [--rate-per-gpu 1] [--duration-s 120]
         [--group-guard 8] [--etcd URL] [--out-dir DIR]
@@ -86,7 +86,7 @@ from policies import groups  # noqa: E402
 from policies.groups import Debouncer, GroupId, Guard, Range, Table  # noqa: E402
 from policies.model import NodeId  # noqa: E402
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = ROOT / "data" / "workloads" / "mooncake_conversation_trace.jsonl"
 
 BLOCK_TOKENS = 512
 GPU_CACHE_BLOCKS = 868  # 27,793 x 16 tokens / 512

@@ -7,7 +7,7 @@ inference trace (``ContextTokens``, ``GeneratedTokens``), every request generati
 output (``ignore_eos``).  Writes ``node_load_curve.json``, ``node_load_curve.md`` (a table) and
 ``node_load_curve.png`` (a plot, when matplotlib is installed: ``pip install -e '.[bench]'``).
 
-    python benchmarks/node_load_curve.py [--trace ../shared/workloads/azure_conv_2023.csv]
+    python benchmarks/node_load_curve.py [--trace data/workloads/azure_conv_2023.csv]
         [--profile h100-llama3-8b] [--rates 5,10,15,20] [--duration-s 120] [--out-dir DIR]
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from meridian_sim import offline, profile  # noqa: E402
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "azure_conv_2023.csv"
+DEFAULT_TRACE = ROOT / "data" / "workloads" / "azure_conv_2023.csv"
 
 
 def read_lengths(path: Path, *, max_model_len: int) -> list[tuple[int, int]]:

@@ -60,7 +60,7 @@ from meridian_sim.workloads import TraceRequest
 from policies import prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = ROOT / "data" / "workloads" / "mooncake_conversation_trace.jsonl"
 MERIDIAN_POLICIES = ("meridian", "prefix_aware", "session", "power_of_two", "round_robin")
 FULL_PEER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 QUICK_ROUTERS = (

@@ -28,7 +28,7 @@ from meridian_sim.profile import Profile
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
-# Buckets copied from vLLM 0.32's /metrics page (../shared/fixtures).
+# Buckets copied from vLLM 0.32's /metrics page (tests/fixtures/vllm).
 _TTFT_BUCKETS: Final = (
     0.001,
     0.005,

@@ -5,12 +5,13 @@ Usage::
 
     .venv/bin/python scripts/calibrate_profiles.py [CALIBRATION_DIR] [--out-dir DIR]
 
-``CALIBRATION_DIR`` defaults to ``../shared/calibration`` relative to the repository root and must
-hold vidur's ``*_mlp.csv`` tables for A100 Llama-2-7B, A100 Meta-Llama-3-8B and H100 Llama-2-7B.
-The script writes ``h100-llama3-8b.toml`` and ``a100-llama3-8b.toml`` (to ``meridian_sim/profiles``
-unless ``--out-dir`` says otherwise), prints the derived numbers, then loads the written files
-with ``meridian_sim.profile.load`` and prints a sanity check against the field notes and llm-d's
-simulator.  See ``docs/calibration.md`` for the method.  Standard library only.
+``CALIBRATION_DIR`` defaults to ``data/calibration`` in the repository (see ``data/README.md``)
+and must hold vidur's ``*_mlp.csv`` tables for A100 Llama-2-7B, A100 Meta-Llama-3-8B and H100
+Llama-2-7B.  The script writes ``h100-llama3-8b.toml`` and ``a100-llama3-8b.toml`` (to
+``meridian_sim/profiles`` unless ``--out-dir`` says otherwise), prints the derived numbers, then
+loads the written files with ``meridian_sim.profile.load`` and prints a sanity check against
+llm-d's simulator.  See ``docs/calibration.md`` for the method and its inputs.  Standard library
+only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CALIBRATION_DIR = REPO_ROOT.parent / "shared" / "calibration"
-DEFAULT_OUT_DIR = REPO_ROOT / "simulator" / "profiles"
+DEFAULT_CALIBRATION_DIR = REPO_ROOT / "data" / "calibration"
+DEFAULT_OUT_DIR = REPO_ROOT / "meridian_sim" / "profiles"
 
 CSV_A100_LLAMA2 = "vidur_a100_meta-llama_Llama-2-7b-hf_mlp.csv"
 CSV_A100_LLAMA3 = "vidur_a100_meta-llama_Meta-Llama-3-8B_mlp.csv"
@@ -74,14 +75,14 @@ SMALL_TOKENS_MAX = 64  # rows with num_tokens <= this are the memory-bound (deco
 
 # Scheduler / capacity settings shared by both profiles.
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
-NUM_GPU_BLOCKS_80GB = 27793  # real vLLM log, Llama-3-8B on an 80 GB card (FIELD-NOTES.md)
+NUM_GPU_BLOCKS_80GB = 27793  # real vLLM log, Llama-3-8B on an 80 GB card (docs/calibration.md)
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
 MEAN_OUTPUT_TOKENS = 256
 
-# llm-d inference simulator's 8B-on-H100 settings (FIELD-NOTES.md).
+# llm-d inference simulator's 8B-on-H100 settings (docs/calibration.md).
 LLMD_TTFT_BASE_MS = 30.0
 LLMD_TTFT_MS_PER_TOKEN = 0.25
 LLMD_ITL_MS = 12.0

@@ -28,7 +28,7 @@ from regional_agent.upstream.client import NodeClient
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 LONG_PROMPT = " ".join(f"word{i % 50} alpha beta gamma" for i in range(80))  # 400 tokens
 CPU_BLOCK = 128
 SCRAPER_LOG = "regional_agent.telemetry.scraper"

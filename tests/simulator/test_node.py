@@ -13,7 +13,7 @@ from prometheus_client.samples import Sample
 
 from tests.simulator.conftest import NodeFactory
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 LONG_PROMPT = " ".join(f"word{i % 50} alpha beta gamma" for i in range(80))  # 400 tokens
 
 # The names a router reads, checked one by one against real vLLM 0.32's page.

@@ -11,15 +11,11 @@ import pytest
 from meridian_sim import profile, workloads
 from policies import prompt
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "workloads"
-MOONCAKE = SHARED / "mooncake_conversation_trace.jsonl"
-AZURE = SHARED / "azure_conv_2023.csv"
-needs_traces = pytest.mark.skipif(
-    not (MOONCAKE.exists() and AZURE.exists()), reason="../shared/workloads is not present"
-)
+WORKLOADS = Path(__file__).resolve().parents[2] / "data" / "workloads"
+MOONCAKE = WORKLOADS / "mooncake_conversation_trace.jsonl"
+AZURE = WORKLOADS / "azure_conv_2023.csv"
 
 
-@needs_traces
 def test_mooncake_slice_reads_with_seconds_and_whole_blocks() -> None:
     rows = workloads.read_mooncake(MOONCAKE, limit=200)
     assert len(rows) == 200
@@ -31,7 +27,6 @@ def test_mooncake_slice_reads_with_seconds_and_whole_blocks() -> None:
         assert r.hash_ids[0] == 0  # every request of this trace starts with block 0
 
 
-@needs_traces
 def test_memoised_hashes_equal_the_agents_hashing_on_real_requests() -> None:
     rows = workloads.read_mooncake(MOONCAKE, limit=30)
     for block_size in (16, 128, 48):  # 48 does not divide 512: hashed from scratch
@@ -41,7 +36,6 @@ def test_memoised_hashes_equal_the_agents_hashing_on_real_requests() -> None:
             assert hasher.hashes(r) == prompt.block_hashes(tokens, block_size=block_size)
 
 
-@needs_traces
 def test_equal_ids_share_engine_blocks_and_different_ids_do_not() -> None:
     rows = workloads.read_mooncake(MOONCAKE, limit=2000)
     hasher = workloads.BlockHasher(block_size=16)
@@ -68,7 +62,6 @@ def test_equal_ids_share_engine_blocks_and_different_ids_do_not() -> None:
         assert ha[full] != hb[full]
 
 
-@needs_traces
 def test_azure_slice_reads_relative_times_and_fresh_ids() -> None:
     rows = workloads.read_azure(AZURE, limit=300)
     assert rows[0].timestamp_s == 0.0
