@@ -79,8 +79,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import aetcd  # noqa: E402
-
+import meridian_etcd  # noqa: E402
 from meridian_wire import keys  # noqa: E402
 from policies import groups  # noqa: E402
 from policies.groups import Debouncer, GroupId, Guard, Range, Table  # noqa: E402
@@ -209,7 +208,7 @@ class Writer:
     revision each successful transaction makes; run_one checks the count against etcd's own.
     """
 
-    def __init__(self, client: aetcd.Client, region: str, mode: str, *, rev: int) -> None:
+    def __init__(self, client: meridian_etcd.Store, region: str, mode: str, *, rev: int) -> None:
         self.client = client
         self.prefix = keys.groups(region) if mode == "group" else f"{keys.ROUTING}{region}/gpus/"
         self.rev = rev
@@ -218,21 +217,20 @@ class Writer:
         self.bytes = 0
         self.conflicts = 0
 
-    def key(self, first: int) -> bytes:
-        return f"{self.prefix}prefix-{first:05d}".encode()
+    def key(self, first: int) -> str:
+        return f"{self.prefix}prefix-{first:05d}"
 
     async def write(
         self,
         change: groups.Diff,
         *,
-        lease: int,
+        lease: meridian_etcd.Lease,
         agent: str,
         at: float,
         expect: dict[int, int] | None,
     ) -> int | None:
         """The revision the change made, or None when a compare failed (nothing written)."""
-        t = self.client.transactions
-        ops: list[Any] = []
+        puts: list[tuple[str, bytes]] = []
         size = 0
         for r in change.puts:
             key = self.key(r.first)
@@ -240,40 +238,45 @@ class Writer:
                 {"first": r.first, "end": r.end, "owner": r.owner, "agent": agent, "at": at},
                 separators=(",", ":"),
             ).encode()
-            ops.append(t.put(key, value, lease=lease))
+            puts.append((key, value))
             size += len(key) + len(value)
-        for first in change.deletes:
-            key = self.key(first)
-            ops.append(t.delete(key))
-            size += len(key)
+        deletes = [self.key(first) for first in change.deletes]
+        size += sum(len(k) for k in deletes)
+        n_ops = len(puts) + len(deletes)
         if expect is not None:
-            if len(ops) > MAX_TXN_OPS:
-                raise SystemExit(f"a group diff of {len(ops)} keys: more than one transaction")
-            compare = [t.mod(self.key(k)) == rev for k, rev in expect.items()]
-            ok, _ = await self.client.transaction(compare=compare, success=ops, failure=[])
-            if not ok:
+            if n_ops > MAX_TXN_OPS:
+                raise SystemExit(f"a group diff of {n_ops} keys: more than one transaction")
+            made = await self.client.commit(
+                puts=puts,
+                deletes=deletes,
+                expect={self.key(k): rev for k, rev in expect.items()},
+                lease=lease,
+            )
+            if made is None:
                 self.conflicts += 1
                 return None
             chunks = 1
         else:
+            ops: list[tuple[str, bytes] | str] = [*puts, *deletes]
             chunks = 0
             for i in range(0, len(ops), MAX_TXN_OPS):
-                await self.client.transaction(
-                    compare=[], success=ops[i : i + MAX_TXN_OPS], failure=[]
+                chunk = ops[i : i + MAX_TXN_OPS]
+                await self.client.commit(
+                    puts=[op for op in chunk if isinstance(op, tuple)],
+                    deletes=[op for op in chunk if isinstance(op, str)],
+                    lease=lease,
                 )
                 chunks += 1
         self.rev += chunks
         self.revisions += chunks
-        self.keys += len(ops)
+        self.keys += n_ops
         self.bytes += size
         return self.rev
 
 
-async def revision(client: aetcd.Client, marker: bytes) -> int:
+async def revision(client: meridian_etcd.Store, marker: str) -> int:
     """The store's revision after one write of ``marker`` (that write is the revision)."""
-    await client.put(marker, b"")
-    got = await client.get(marker)
-    return int(got.mod_revision)
+    return await client.put(marker, b"")
 
 
 # -- the region ---------------------------------------------------------------------------------
@@ -282,7 +285,7 @@ async def revision(client: aetcd.Client, marker: bytes) -> int:
 @dataclass
 class Agent:
     name: str
-    lease: int
+    lease: meridian_etcd.Lease
     debouncer: Debouncer
     known: dict[int, Range] = field(default_factory=dict)  # the store, as this agent last saw it
     revs: dict[int, int] = field(default_factory=dict)  # group mode: their mod revisions
@@ -318,7 +321,7 @@ class Region:
         window_s: float,
         n_agents: int,
         writer: Writer,
-        leases: Sequence[int],
+        leases: Sequence[meridian_etcd.Lease],
         group_guard: Guard,
         seed: int,
     ) -> None:
@@ -597,7 +600,7 @@ class Region:
 
 
 async def run_one(
-    client: aetcd.Client,
+    client: meridian_etcd.Store,
     workload: list[Request],
     *,
     n_gpus: int,
@@ -613,8 +616,8 @@ async def run_one(
     started = time.perf_counter()
     label = mode if mode == "flat" else f"group-{in_group}"
     region = f"bench-{label}-n{n_gpus}-w{round(window_s * 1000)}-x{speedup:g}".replace(".", "p")
-    leases = [(await client.lease(3600)).id for _ in range(n_agents)]
-    marker = f"{keys.PREFIX}bench/{region}/marker".encode()
+    leases = [await client.grant(ttl_s=3600) for _ in range(n_agents)]
+    marker = f"{keys.PREFIX}bench/{region}/marker"
     rev0 = await revision(client, marker)
     writer = Writer(client, region, mode, rev=rev0)
     sim = Region(
@@ -636,7 +639,7 @@ async def run_one(
     revisions = rev1 - rev0 - 1
     if revisions != writer.revisions:
         raise SystemExit(f"{region}: etcd made {revisions} revisions, the model {writer.revisions}")
-    stored = await client.get_prefix(writer.prefix.encode())
+    stored = (await client.get_prefix(writer.prefix)).entries
     table_keys = 0
     table_bytes = 0
     owners: dict[int, str] = {}
@@ -660,7 +663,7 @@ async def run_one(
         if not same:
             raise SystemExit(f"{region}: agent {agent.name} reads another table than etcd holds")
     for lease in leases:
-        await client.revoke_lease(lease)
+        await client.revoke(lease)
     s = sim.stats
     steady_revisions = writer.revisions - sim.setup_revisions
     steady_keys = writer.keys - sim.setup_keys
@@ -705,7 +708,6 @@ async def run_one(
 
 
 async def run_all(args: argparse.Namespace, rows: list[dict[str, Any]], url: str) -> list[Any]:
-    host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
     out: list[dict[str, Any]] = []
     plan = [
         (n, s, w, mode, ig)
@@ -715,7 +717,8 @@ async def run_all(args: argparse.Namespace, rows: list[dict[str, Any]], url: str
         for mode in args.modes
         for ig in (args.in_group if mode == "group" else ["-"])
     ]
-    async with aetcd.Client(host=host, port=int(port), timeout=30) as client:
+    client = meridian_etcd.Store(meridian_etcd.ClientConfig(endpoints=[url], timeout_s=30.0))
+    try:
         workloads: dict[tuple[int, float], list[Request]] = {}
         trace_s = max(r["timestamp"] for r in rows) / 1000 + TRACE_STEP_MS / 1000
         for i, (n, s, w, mode, ig) in enumerate(plan, 1):
@@ -759,6 +762,8 @@ async def run_all(args: argparse.Namespace, rows: list[dict[str, Any]], url: str
                 + f"  stale {row['stale_share'] * 100:4.1f} %  ({row['wall_s']:.1f} s)",
                 flush=True,
             )
+    finally:
+        await client.close()
     return out
 
 

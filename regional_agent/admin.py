@@ -9,6 +9,7 @@ POST     /admin/nodes/{id}/undrain        take traffic again
 PUT      /admin/nodes/{id}/weight         ``{"weight": 2.0}``
 GET      /admin/policy                    the routing policy and the ones available
 PUT      /admin/policy                    ``{"policy": "prefix_aware"}``: switch at run time
+                                          (``groups`` only when the agent keeps group tables)
 GET      /admin/queue                     waiting requests per model, decisions and refusals
 =======  ===============================  ===================================================
 """
@@ -23,13 +24,11 @@ from typing import Any
 import pydantic
 from aiohttp import web
 
-from policies import routing
 from policies.model import AdminState, NodeId
-from regional_agent.app_state import AGENT, Agent
-from regional_agent.discovery import make_node, refresh_models
+from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
 from regional_agent.nodes import Node
-from regional_agent.settings import NodeSettings
+from regional_agent.settings import GROUPS_POLICY, NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +46,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/admin/queue", queue)
 
 
-def _authorize(request: web.Request) -> Agent:
-    agent = request.app[AGENT]
+def _authorize(request: web.Request) -> Edge:
+    agent = request.app[EDGE]
     token = agent.settings.admin.token
     if token is None:
         raise Unauthorized("the admin API is disabled: start the agent with admin.token set")
@@ -71,7 +70,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _node(agent: Agent, request: web.Request) -> Node:
+def _node(agent: Edge, request: web.Request) -> Node:
     node_id = request.match_info["node_id"]
     node = agent.pool.get(node_id)
     if node is None:
@@ -80,7 +79,7 @@ def _node(agent: Agent, request: web.Request) -> Node:
     return node
 
 
-def describe(agent: Agent, node: Node) -> dict[str, Any]:
+def describe(agent: Edge, node: Node) -> dict[str, Any]:
     now = agent.clock.now()
     admin_state = node.admin.value
     if node.admin is AdminState.DRAINING and node.in_flight == 0:
@@ -133,9 +132,7 @@ async def add_node(request: web.Request) -> web.Response:
         raise BadRequest(f"invalid node: {problems}") from exc
     if settings.node_id in agent.pool:
         raise Conflict(f"node {settings.node_id!r} already exists")
-    node = make_node(settings, default_slots=agent.settings.queue.slots_per_node)
-    agent.pool.add(node)
-    await refresh_models(agent, [node])
+    node = await agent.roster.add(agent.roster.make(settings))
     log.info(
         "node added node=%s url=%s models=%s", node.node_id, node.url, ",".join(sorted(node.models))
     )
@@ -145,10 +142,7 @@ async def add_node(request: web.Request) -> web.Response:
 async def remove_node(request: web.Request) -> web.Response:
     agent = _authorize(request)
     node = _node(agent, request)
-    agent.pool.remove(node.node_id)
-    agent.scraper.forget(node.node_id)
-    agent.health.forget(node.node_id)
-    agent.dispatcher.policy.forget_node(node.node_id)
+    agent.roster.remove(node.node_id)
     log.info("node removed node=%s in_flight=%d", node.node_id, node.in_flight)
     return web.json_response({"removed": node.node_id, "in_flight": node.in_flight})
 
@@ -187,22 +181,38 @@ async def set_weight(request: web.Request) -> web.Response:
     return web.json_response(describe(agent, node))
 
 
+def _policies(agent: Edge) -> dict[str, Any]:
+    out: dict[str, Any] = {"policy": agent.dispatcher.policy.name}
+    out["available"] = list(agent.policy_names())
+    if GROUPS_POLICY not in out["available"]:
+        out["unavailable"] = {GROUPS_POLICY: _NO_GROUP_TABLES}
+    return out
+
+
+_NO_GROUP_TABLES = (
+    "needs the group tables, which the agent keeps in sync through etcd from its start: "
+    'start it with routing.policy = "groups" (and region.id, region.etcd)'
+)
+
+
 async def get_policy(request: web.Request) -> web.Response:
     agent = _authorize(request)
-    return web.json_response(
-        {"policy": agent.dispatcher.policy.name, "available": list(routing.NAMES)}
-    )
+    return web.json_response(_policies(agent))
 
 
 async def set_policy(request: web.Request) -> web.Response:
     agent = _authorize(request)
     name = (await _body(request)).get("policy")
-    if not isinstance(name, str) or name not in routing.NAMES:
+    names = agent.policy_names()
+    if name == GROUPS_POLICY and name not in names:
+        raise Conflict(f"policy {GROUPS_POLICY!r} {_NO_GROUP_TABLES}", param="policy")
+    if not isinstance(name, str) or name not in names:
         raise BadRequest(
-            f"'policy' must be one of {', '.join(routing.NAMES)}; got {name!r}", param="policy"
+            f"'policy' must be one of {', '.join(names)}; got {name!r}", param="policy"
         )
-    agent.dispatcher.set_policy(routing.create(name, agent.routing_config))
-    return web.json_response({"policy": name, "available": list(routing.NAMES)})
+    agent.dispatcher.set_policy(agent.make_policy(name))
+    log.info("routing policy switched policy=%s", name)
+    return web.json_response(_policies(agent))
 
 
 async def queue(request: web.Request) -> web.Response:

@@ -1,5 +1,14 @@
 """``create_app(settings)``: the agent's aiohttp application and its background tasks.
 
+``create_app`` wires the components, each given only what it uses:
+
+====================  ==========================================================================
+``edge``              what the HTTP handlers share (``regional_agent.edge.Edge``, app key EDGE)
+``publisher``         with region.id and region.etcd: liveness, status, desired state, and the
+                      group tables' sync; app key PUBLISHER
+``autoscaler``        unless autoscaler.actuator is "none"; app key AUTOSCALER
+====================  ==========================================================================
+
 Background tasks (telemetry scrapes, health probes, model discovery, drain supervision; with a
 region and etcd set, the publisher's liveness, status and desired-state loops; with an
 actuator set, the autoscaler) start from ``cleanup_ctx`` through one guard that logs a crash,
@@ -17,35 +26,42 @@ from typing import Any
 
 from aiohttp import web
 
+import meridian_etcd as etcd
 from meridian_service.clock import Clock, MonotonicClock
 from policies import admission, routing
+from policies.group_routing import GroupPolicy
 from policies.groups import GroupId
 from policies.model import AdminState
 from regional_agent import admin, autoscaler
-from regional_agent.app_state import AGENT, Agent
-from regional_agent.discovery import make_node, refresh_models
+from regional_agent.autoscaler import Autoscaler
+from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import AgentError, BodyTooLarge, QueueFull, UpstreamError
+from regional_agent.group_routing import GroupTables
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.proxy import handlers
-from regional_agent.publisher import Publisher, Store
+from regional_agent.publisher import Publisher
 from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff, supervise
+from regional_agent.roster import Roster, make_node
 from regional_agent.settings import GROUPS_POLICY, Settings
-from regional_agent.tables import GroupPolicy, GroupTables
 from regional_agent.telemetry import Scraper
 from regional_agent.upstream import NodeClient
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PUBLISHER = web.AppKey("publisher", Publisher)
+AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
+_RNG = web.AppKey("rng", random.Random)  # the background loops' backoff jitter
 
 
 def create_app(
     settings: Settings, *, clock: Clock | None = None, seed: int | None = None
 ) -> web.Application:
     clock = clock or MonotonicClock()
+    rng = random.Random(seed)
     pool = NodePool(panic_threshold=settings.health.panic_threshold)
     for node_settings in settings.nodes:
         pool.add(make_node(node_settings, default_slots=settings.queue.slots_per_node))
@@ -59,64 +75,82 @@ def create_app(
     pool.telemetry = scraper
     pool.health = monitor
     config = settings.routing.config()
-    rng = random.Random(seed)
     group_tables: GroupTables | None = None
+    group_policy: GroupPolicy | None = None
     policy: routing.Policy
     if settings.routing.policy == GROUPS_POLICY:
         group_tables = GroupTables(
             settings.group_tables,
             membership=lambda: {n.node_id: (GroupId(n.group or n.node_id), n.weight) for n in pool},
         )
-        policy = GroupPolicy(group_tables, block_tokens=settings.routing.prefix_block_tokens)
+        group_policy = GroupPolicy(
+            group_tables, group_tables.config(block_tokens=settings.routing.prefix_block_tokens)
+        )
+        policy = group_policy
     else:
         policy = routing.create(settings.routing.policy, config)
-    dispatcher = Dispatcher(
+    dispatcher = Dispatcher(pool=pool, policy=policy, settings=settings.queue, clock=clock, rng=rng)
+    roster = Roster(
         pool=pool,
-        policy=policy,
-        settings=settings.queue,
-        clock=clock,
-        rng=rng,
+        client=client,
+        scraper=scraper,
+        health=monitor,
+        dispatcher=dispatcher,
+        default_slots=settings.queue.slots_per_node,
+        models_timeout_s=settings.telemetry.scrape_timeout_s,
     )
-
-    def depths() -> dict[str, int]:
-        return {m: dispatcher.depth(m) for m in pool.models()}
-
-    def in_flight() -> dict[str, int]:
-        return {n.node_id: n.in_flight for n in pool}
-
-    agent = Agent(
+    instruments = Instruments(
+        console_spans=settings.otel.console_spans,
+        queue_depths=lambda: {m: dispatcher.depth(m) for m in pool.models()},
+        in_flight=lambda: {n.node_id: n.in_flight for n in pool},
+        panic=lambda: pool.panic(now=clock.now()).active,
+    )
+    edge = Edge(
         settings=settings,
         clock=clock,
-        rng=rng,
         pool=pool,
+        roster=roster,
         client=client,
         dispatcher=dispatcher,
         scraper=scraper,
         health=monitor,
-        instruments=Instruments(
-            console_spans=settings.otel.console_spans,
-            queue_depths=depths,
-            in_flight=in_flight,
-            panic=lambda: pool.panic(now=clock.now()).active,
-        ),
+        instruments=instruments,
         budget=admission.RetryBudget(
             ratio=settings.retry.budget_ratio, min_per_s=settings.retry.budget_min_per_s
         ),
         routing_config=config,
+        group_policy=group_policy,
     )
-    agent.autoscaler = autoscaler.create(
-        agent, settings.autoscaler, region=settings.region.id, rng=random.Random(rng.random())
+    app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
+    app[EDGE] = edge
+    scaler = autoscaler.create(
+        settings.autoscaler,
+        region=settings.region.id,
+        pool=pool,
+        roster=roster,
+        clock=clock,
+        drain_timeout_s=settings.health.drain_timeout_s,
+        rng=random.Random(rng.random()),
     )
+    if scaler is not None:
+        app[AUTOSCALER] = scaler
     if settings.region.publishing:
-        agent.publisher = Publisher(
-            agent=agent,
-            store=Store(endpoints=settings.region.etcd, timeout_s=settings.region.etcd_timeout_s),
+        app[PUBLISHER] = Publisher(
+            store=etcd.Store(
+                etcd.ClientConfig(
+                    endpoints=settings.region.etcd, timeout_s=settings.region.etcd_timeout_s
+                )
+            ),
             settings=settings.region,
+            pool=pool,
+            queue_depth=dispatcher.depth,
+            instruments=instruments,
+            clock=clock,
             rng=random.Random(rng.random()),
+            on_floor=None if scaler is None else scaler.set_floor,
             tables=group_tables,
         )
-    app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
-    app[AGENT] = agent
+    app[_RNG] = random.Random(rng.random())
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
@@ -138,15 +172,15 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """The agent can serve: at least one routable node with a known model (readiness)."""
-    agent = request.app[AGENT]
-    views = agent.pool.views(now=agent.clock.now())
+    edge = request.app[EDGE]
+    views = edge.pool.views(now=edge.clock.now())
     routable = [v.node_id for v in views if v.routable and v.models]
     body = {"ready": bool(routable), "routable_nodes": len(routable), "nodes": len(views)}
     return web.json_response(body, status=200 if routable else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[AGENT].instruments.render()
+    body = request.app[EDGE].instruments.render()
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -173,7 +207,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             )
         return web.json_response(exc.body(), status=exc.http_status)
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app[AGENT].settings.server.max_body_bytes
+        limit = request.app[EDGE].settings.server.max_body_bytes
         too_large = BodyTooLarge(
             f"the request body is larger than {limit} bytes (server.max_body_bytes); "
             "send a smaller request"
@@ -198,32 +232,31 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    agent = app[AGENT]
-    await refresh_models(agent)
+    edge = app[EDGE]
+    settings = edge.settings
+    await edge.roster.refresh_models()
     tasks = [
-        _spawn("telemetry", agent.scraper.run()),
-        _spawn("health", agent.health.run()),
-        _spawn("models", _models_loop(agent)),
-        _spawn("drain", _drain_loop(agent)),
+        _spawn("telemetry", edge.scraper.run()),
+        _spawn("health", edge.health.run()),
+        _spawn("models", edge.roster.models_loop(interval_s=settings.telemetry.models_refresh_s)),
+        _spawn("drain", _drain_loop(edge)),
     ]
-    publisher, scaler = agent.publisher, agent.autoscaler
+    publisher, scaler = app.get(PUBLISHER), app.get(AUTOSCALER)
+    backoff_rng = app[_RNG]
+
+    def supervised(name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        backoff = Backoff(base_s=1.0, max_s=30.0, rng=backoff_rng)
+        tasks.append(_spawn(name, supervise(name, loop, backoff=backoff)))
+
     if scaler is not None:
-        tasks.append(_spawn("autoscaler", _supervised(agent, "autoscaler", scaler.run)))
+        supervised("autoscaler", scaler.run)
     if publisher is not None:
-        tasks += [
-            _spawn("alive", _supervised(agent, "alive", publisher.alive_loop)),
-            _spawn("status", _supervised(agent, "status", publisher.status_loop)),
-            _spawn("desired", _supervised(agent, "desired", publisher.desired_loop)),
-        ]
+        supervised("alive", publisher.alive_loop)
+        supervised("status", publisher.status_loop)
+        supervised("desired", publisher.desired_loop)
         if publisher.tables is not None:
-            tasks += [
-                _spawn(
-                    "tables-watch", _supervised(agent, "tables-watch", publisher.tables.watch_loop)
-                ),
-                _spawn(
-                    "tables-flush", _supervised(agent, "tables-flush", publisher.tables.flush_loop)
-                ),
-            ]
+            supervised("tables-watch", publisher.tables.watch_loop)
+            supervised("tables-flush", publisher.tables.flush_loop)
     yield
     for task in tasks:
         task.cancel()
@@ -234,8 +267,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         await publisher.close()
     if scaler is not None:
         await scaler.close()
-    await agent.client.close()
-    agent.instruments.shutdown()
+    await edge.client.close()
+    edge.instruments.shutdown()
 
 
 def _spawn(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -249,31 +282,19 @@ def _spawn(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     return task
 
 
-def _supervised(
-    agent: Agent, name: str, loop: Callable[[], Coroutine[Any, Any, None]]
-) -> Coroutine[Any, Any, None]:
-    return supervise(name, loop, backoff=Backoff(base_s=1.0, max_s=30.0, rng=agent.rng))
-
-
-async def _models_loop(agent: Agent) -> None:
-    while True:
-        await asyncio.sleep(agent.settings.telemetry.models_refresh_s)
-        await refresh_models(agent)
-
-
-async def _drain_loop(agent: Agent) -> None:
+async def _drain_loop(edge: Edge) -> None:
     """Draining nodes: report when empty; past the drain timeout, cut what is still running."""
-    timeout_s = agent.settings.health.drain_timeout_s
+    timeout_s = edge.settings.health.drain_timeout_s
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(0.1)
-        now = agent.clock.now()
-        for node in agent.pool:
+        now = edge.clock.now()
+        for node in edge.pool:
             if node.admin is not AdminState.DRAINING or node.drain_started_s is None:
                 continue
             if now - node.drain_started_s < timeout_s:
                 continue
-            for lease in agent.dispatcher.leases(node.node_id):
+            for lease in edge.dispatcher.leases(node.node_id):
                 if lease.timeout is not None and lease.timeout.when() is None:
                     log.warning("drain timeout: cutting request node=%s", node.node_id)
                     lease.timeout.reschedule(loop.time())

@@ -16,14 +16,14 @@
         ├── UpstreamUnavailable     503  connect error, reset, timeout before the first byte
         ├── UpstreamStatus          the node answered 5xx or 429 (retryable) or another status
         └── UpstreamProtocolError   502  the node answered garbage
-    StoreError                      etcd failed; raised only by ``publisher/store.py``
-    ├── StoreUnavailable            no etcd endpoint answered in time (retryable)
-    └── LeaseLost                   etcd no longer knows the lease (expired, or etcd lost data)
     ActuatorError                   an autoscaler actuator could not act (``autoscaler/``)
+    TableConflicts                  group-table writes kept losing to other agents' (backs off)
 
-Foreign exceptions are translated in one place each: aiohttp's in ``upstream/``, aetcd's and
-grpc's in ``publisher/store.py``.  Store and actuator errors never reach a client: the
-background loops that meet them log the change of state once and retry with backoff.
+etcd's failures are the etcd layer's own (``meridian_etcd.errors``: ``Unavailable``,
+``LeaseLost``, ...).  Foreign exceptions are translated in one place each: aiohttp's in
+``upstream/``, aetcd's and grpc's in ``meridian_etcd``.  etcd, actuator and table errors never
+reach a client: the background loops that meet them log the change of state once and retry with
+backoff.
 """
 
 from __future__ import annotations
@@ -133,29 +133,14 @@ class UpstreamProtocolError(UpstreamError):
     retryable = True  # nothing reached the client yet: another node may do better
 
 
-class StoreError(AgentError):
-    """etcd refused or failed an operation; the message says which and why.
-
-    ``stale`` is set when another call succeeded after this one failed (calls on a connection
-    being replaced can fail late): etcd answers, and the failure is old news."""
-
-    stale = False
-
-
-class StoreUnavailable(StoreError):
-    """No etcd endpoint answered in time: connection refused, timeout, stream broken."""
-
-    retryable = True
-
-
-class LeaseLost(StoreError):
-    """etcd does not know the lease any more: it expired (a partition longer than its TTL)
-    or etcd lost its data.  Grant a new one and put its keys again."""
-
-    retryable = True
-
-
 class ActuatorError(AgentError):
     """An autoscaler actuator could not act: a node did not start, a hook command failed."""
+
+    retryable = True
+
+
+class TableConflicts(AgentError):
+    """Group-table transactions failed their compares several times in a row: other agents
+    keep changing the same ranges.  The flush loop backs off and tries again."""
 
     retryable = True

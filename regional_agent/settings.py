@@ -19,8 +19,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import settings as settings_loading
-from policies import routing
+from policies import group_routing, routing
 
 
 class _Group(BaseModel):
@@ -74,7 +75,7 @@ class NodeSettings(_Group):
         return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
-GROUPS_POLICY = "groups"  # the agent's group-table routing (regional_agent/tables.py)
+GROUPS_POLICY = group_routing.NAME  # routing by shared group tables (policies/group_routing.py)
 POLICY_NAMES = (*routing.NAMES, GROUPS_POLICY)
 
 
@@ -321,12 +322,9 @@ class RegionSettings(_Group):
     @field_validator("etcd")
     @classmethod
     def _etcd(cls, value: list[str]) -> list[str]:
-        out = []
         for v in value:
-            if v.startswith("https://"):
-                raise ValueError(f"TLS to etcd is not supported yet: use an http URL, got {v!r}")
-            out.append(_url(v, schemes=("http",)))
-        return out
+            etcd_endpoints.parse(v)  # one parser for every etcd URL (meridian_etcd.endpoints)
+        return [v.strip() for v in value]
 
     @model_validator(mode="after")
     def _complete(self) -> RegionSettings:

@@ -60,10 +60,11 @@ from meridian_sim.fleet.oracle import Oracle
 from meridian_sim.offline import percentile
 from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
-from policies import admission, routing
+from policies import admission, group_routing, routing
+from policies.groups import GroupId
 from policies.model import NodeId, NodeView, RequestView, Telemetry
 
-POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, "oracle")
+POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, group_routing.NAME, "oracle")
 MODEL: Final = "model"
 
 _ARRIVE: Final = 0
@@ -310,12 +311,17 @@ class Fleet:
                 self._nodes.append(node)
             region = _Region(nodes=nodes)
             self._regions.append(region)
+            # groups: one table per region that its agents share (an instant etcd sync); each
+            # node its own group, as the agent's default
+            tables = group_routing.LocalTables(
+                {n.node_id: (GroupId(n.node_id), 1.0) for n in nodes}
+            )
             for a in range(cfg.agents_per_region):
                 seeds = master if a == 0 else replicas
                 agent = _Agent(
                     index=len(self._agents),
                     region=region,
-                    policy=self._make_policy(),
+                    policy=self._make_policy(tables),
                     rng=random.Random(seeds.getrandbits(64)),
                 )
                 region.agents.append(agent)
@@ -324,8 +330,11 @@ class Fleet:
                     phase = phases.uniform(0, cfg.scrape_interval_s)
                     self._push(phase, _SCRAPE, agent.index)
 
-    def _make_policy(self) -> routing.Policy:
+    def _make_policy(self, tables: group_routing.LocalTables) -> routing.Policy:
         cfg = self.config
+        if cfg.policy == group_routing.NAME:
+            config = group_routing.GroupRoutingConfig(block_tokens=cfg.prefix_block_tokens)
+            return group_routing.GroupPolicy(tables, config)
         if cfg.policy != "oracle":
             return routing.create(cfg.policy, cfg.routing)
         return Oracle(cfg.routing, cached_blocks=self._cached_blocks)

@@ -13,11 +13,13 @@ import contextlib
 import logging
 import random
 
-from regional_agent.app_state import Agent
+from meridian_service.clock import Clock
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
-from regional_agent.autoscaler.simulator import SimulatorActuator
+from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 from regional_agent.errors import ActuatorError
+from regional_agent.nodes import NodePool
 from regional_agent.retry import Backoff
+from regional_agent.roster import Roster
 from regional_agent.settings import AutoscalerSettings
 
 log = logging.getLogger(__name__)
@@ -29,12 +31,14 @@ class Autoscaler:
     def __init__(
         self,
         *,
-        agent: Agent,
         actuator: Actuator,
         settings: AutoscalerSettings,
+        pool: NodePool,
+        clock: Clock,
         rng: random.Random,
     ) -> None:
-        self._agent = agent
+        self._pool = pool
+        self._clock = clock
         self.actuator = actuator
         self._settings = settings
         self._backoff = Backoff(
@@ -58,7 +62,7 @@ class Autoscaler:
 
     def current(self) -> float:
         """The region's healthy capacity: the weights of active, healthy nodes summed."""
-        return sum(v.weight for v in self._agent.pool.serving(now=self._agent.clock.now()))
+        return sum(v.weight for v in self._pool.serving(now=self._clock.now()))
 
     async def run(self) -> None:
         while True:
@@ -91,7 +95,14 @@ class Autoscaler:
 
 
 def create(
-    agent: Agent, settings: AutoscalerSettings, *, region: str | None, rng: random.Random
+    settings: AutoscalerSettings,
+    *,
+    region: str | None,
+    pool: NodePool,
+    roster: Roster,
+    clock: Clock,
+    drain_timeout_s: float,
+    rng: random.Random,
 ) -> Autoscaler | None:
     """The autoscaler ``settings`` ask for; ``None`` for ``actuator = "none"``."""
     actuator: Actuator
@@ -104,5 +115,8 @@ def create(
             argv=settings.command, timeout_s=settings.command_timeout_s, region=region
         )
     else:
-        actuator = SimulatorActuator(agent=agent, settings=settings)
-    return Autoscaler(agent=agent, actuator=actuator, settings=settings, rng=rng)
+        actuator = SimulatorActuator(
+            settings=settings, pool=pool, roster=roster, clock=clock,
+            drain_timeout_s=drain_timeout_s,
+        )  # fmt: skip
+    return Autoscaler(actuator=actuator, settings=settings, pool=pool, clock=clock, rng=rng)

@@ -3,7 +3,7 @@
 Below the floor it starts ``python -m meridian_sim.cli node --port 0 --profile P --time-scale X``
 processes (as many as the deficit needs, at most ``autoscaler.max_nodes`` at once), reads the
 ``READY http://...`` line each prints, and adds the node to the pool by the path the admin API
-uses (``discovery.make_node``, ``pool.add``, ``refresh_models``).  Above the floor it scales down
+uses (``Roster.add``).  Above the floor it scales down
 as ``plan.step`` says — one node at a time, after a delay — draining the node first (its
 in-flight requests finish, up to ``health.drain_timeout_s``) and only then removing it and
 stopping its process.  It never touches a node it did not start; every node it started is
@@ -20,11 +20,12 @@ import shutil
 import sys
 from dataclasses import dataclass
 
+from meridian_service.clock import Clock
 from policies.model import AdminState, Health, NodeId
-from regional_agent.app_state import Agent
 from regional_agent.autoscaler import plan
-from regional_agent.discovery import make_node, refresh_models
 from regional_agent.errors import ActuatorError
+from regional_agent.nodes import NodePool
+from regional_agent.roster import Roster
 from regional_agent.settings import AutoscalerSettings, NodeSettings
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,20 @@ class Started:
 class SimulatorActuator:
     name = "simulator"
 
-    def __init__(self, *, agent: Agent, settings: AutoscalerSettings) -> None:
-        self._agent = agent
+    def __init__(
+        self,
+        *,
+        settings: AutoscalerSettings,
+        pool: NodePool,
+        roster: Roster,
+        clock: Clock,
+        drain_timeout_s: float,
+    ) -> None:
         self._settings = settings
+        self._pool = pool
+        self._roster = roster
+        self._clock = clock
+        self._drain_timeout_s = drain_timeout_s
         self.started: dict[NodeId, Started] = {}
         self._excess_since: float | None = None
         self._seeds = itertools.count(1)
@@ -60,7 +72,7 @@ class SimulatorActuator:
     # -- Actuator --------------------------------------------------------------------------------
 
     async def ensure(self, *, floor: float, current: float) -> None:
-        now = self._agent.clock.now()
+        now = self._clock.now()
         await self._reap(now=now)
         active = [s for s in self.started.values() if s.draining_since is None]
         draining = [s for s in self.started.values() if s.draining_since is not None]
@@ -95,12 +107,12 @@ class SimulatorActuator:
         self, n: int, draining: list[Started], *, floor: float, current: float
     ) -> None:
         for s in draining[:n]:
-            node = self._agent.pool.get(s.node_id)
+            node = self._pool.get(s.node_id)
             if node is not None:
                 node.admin = AdminState.ACTIVE
                 node.drain_started_s = None
                 s.draining_since = None
-                self._agent.pool.notify()
+                self._pool.notify()
                 log.info("autoscaler kept node=%s (undrained): floor=%g", s.node_id, floor)
                 n -= 1
         if n <= 0:
@@ -172,19 +184,15 @@ class SimulatorActuator:
                 f"check autoscaler.profile={s.profile!r}"
             )
         url = line.split()[1]
-        node = make_node(
-            NodeSettings(url=url, weight=s.node_weight),
-            default_slots=self._agent.settings.queue.slots_per_node,
-        )
-        if node.node_id in self._agent.pool:
+        node = self._roster.make(NodeSettings(url=url, weight=s.node_weight))
+        if node.node_id in self._pool:
             await _terminate(process)
             raise ActuatorError(f"node {node.node_id} is already in the pool")
         started = Started(
-            node_id=node.node_id, url=url, process=process, started_s=self._agent.clock.now()
+            node_id=node.node_id, url=url, process=process, started_s=self._clock.now()
         )
         self.started[node.node_id] = started
-        self._agent.pool.add(node)
-        await refresh_models(self._agent, [node])
+        await self._roster.add(node)
         return started
 
     # -- scaling down ----------------------------------------------------------------------------
@@ -196,10 +204,10 @@ class SimulatorActuator:
             return None
         best: tuple[Started, float] | None = None
         for s in sorted(active, key=lambda s: s.started_s, reverse=True):
-            node = self._agent.pool.get(s.node_id)
+            node = self._pool.get(s.node_id)
             if node is None:
                 continue
-            healthy = self._agent.pool.health.state(s.node_id, now=now) is Health.HEALTHY
+            healthy = self._pool.health.state(s.node_id, now=now) is Health.HEALTHY
             if not healthy:
                 return s, 0.0
             if best is None:
@@ -207,12 +215,12 @@ class SimulatorActuator:
         return best
 
     def _drain(self, s: Started, *, now: float, reason: str) -> None:
-        node = self._agent.pool.get(s.node_id)
+        node = self._pool.get(s.node_id)
         s.draining_since = now
         if node is not None:
             node.admin = AdminState.DRAINING
             node.drain_started_s = now
-            self._agent.pool.notify()
+            self._pool.notify()
         log.info(
             'autoscaler draining node=%s in_flight=%d reason="%s"',
             s.node_id,
@@ -222,7 +230,7 @@ class SimulatorActuator:
 
     async def _reap(self, *, now: float) -> None:
         """Stop drained nodes; take out nodes whose process exited."""
-        timeout_s = self._agent.settings.health.drain_timeout_s
+        timeout_s = self._drain_timeout_s
         for s in list(self.started.values()):
             if s.process.returncode is not None:
                 log.warning(
@@ -234,16 +242,12 @@ class SimulatorActuator:
                 continue
             if s.draining_since is None:
                 continue
-            node = self._agent.pool.get(s.node_id)
+            node = self._pool.get(s.node_id)
             if node is None or node.in_flight == 0 or now - s.draining_since >= timeout_s:
                 await self._stop(s, why="drained")
 
     async def _stop(self, s: Started, *, why: str) -> None:
-        agent = self._agent
-        node = agent.pool.remove(s.node_id)
-        agent.scraper.forget(s.node_id)
-        agent.health.forget(s.node_id)
-        agent.dispatcher.policy.forget_node(s.node_id)
+        node = self._roster.remove(s.node_id)
         await _terminate(s.process)  # still in self.started: close() ends it if we are cancelled
         self.started.pop(s.node_id, None)
         log.info(

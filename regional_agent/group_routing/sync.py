@@ -1,6 +1,7 @@
-"""The group routing tables in etcd: ``routing/<r>/groups/<kind>-<first>`` (docs/group-tables.md).
+"""The group routing tables kept in sync with etcd: ``routing/<r>/groups/<kind>-<first>``
+(docs/group-tables.md).
 
-Two loops, run by the publisher when ``routing.policy`` is ``groups``:
+Two loops, started by the app beside the publisher's when ``routing.policy`` is ``groups``:
 
 * :meth:`TableSync.watch_loop` reads every range of the region's tables, then follows the
   prefix with a watch; each batch of changes rebuilds the tables the agent routes by
@@ -32,14 +33,15 @@ from collections.abc import Callable
 
 import pydantic
 
+import meridian_etcd as etcd
 from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import GroupTable
+from policies.group_routing import KINDS
 from policies.groups import Kind, Range
-from regional_agent.errors import StoreError
-from regional_agent.publisher.store import KeyValue, LeaseId, Snapshot, Store
+from regional_agent.errors import TableConflicts
+from regional_agent.group_routing.tables import GroupTables, Publish, Stored
 from regional_agent.retry import Backoff
-from regional_agent.tables import KINDS, GroupTables, Publish, Stored
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,16 @@ class TableSync:
     def __init__(
         self,
         *,
-        store: Store,
+        store: etcd.Store,
         tables: GroupTables,
         region: str,
         agent_id: str,
         clock: Clock,
         wall: Callable[[], float],
-        lease: Callable[[], LeaseId | None],
+        lease: Callable[[], etcd.Lease | None],
         backoff: Callable[[], Backoff],
         on_answer: Callable[[], None],
-        on_failure: Callable[[StoreError], None],
+        on_failure: Callable[[etcd.EtcdError], None],
     ) -> None:
         self._store = store
         self.tables = tables
@@ -77,7 +79,7 @@ class TableSync:
         self.bad = 0  # values ignored
         self.republished = 0  # own ranges put back after a lost lease
         # the ranges this agent published, and the lease they live under (kind -> first -> ...)
-        self._mine: dict[Kind, dict[int, tuple[Range, LeaseId, int]]] = {k: {} for k in KINDS}
+        self._mine: dict[Kind, dict[int, tuple[Range, etcd.Lease, int]]] = {k: {} for k in KINDS}
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -90,11 +92,11 @@ class TableSync:
                     async for item in changes:
                         self._on_answer()
                         backoff.reset()
-                        if isinstance(item, Snapshot):
+                        if isinstance(item, etcd.Snapshot):
                             self.load(item)
                         else:
                             self._changed(item)
-            except StoreError as exc:
+            except etcd.EtcdError as exc:
                 self._on_failure(exc)
             await asyncio.sleep(backoff.next_s())
 
@@ -102,11 +104,11 @@ class TableSync:
         """Read every range again (after a failed compare)."""
         self.load(await self._store.get_prefix(keys.groups(self._region)))
 
-    def load(self, snapshot: Snapshot) -> None:
+    def load(self, snapshot: etcd.Snapshot) -> None:
         stored: dict[Kind, dict[int, Stored]] = {k: {} for k in KINDS}
         unusable: dict[Kind, dict[int, int]] = {k: {} for k in KINDS}
         for kv in snapshot.entries:
-            where = self._where(kv)
+            where = self._where(kv.key)
             if where is None:
                 continue
             kind, first = where
@@ -118,12 +120,12 @@ class TableSync:
         for kind in KINDS:
             self.tables.load(kind, stored[kind], unusable=unusable[kind])
 
-    def _changed(self, kv: KeyValue) -> None:
-        where = self._where(kv)
+    def _changed(self, kv: etcd.Entry | etcd.Deleted) -> None:
+        where = self._where(kv.key)
         if where is None:
             return
         kind, first = where
-        if kv.value is None:
+        if isinstance(kv, etcd.Deleted):
             news = self.tables.changed(kind, first, None, kv.mod_revision)
         else:
             mine = self._mine[kind].get(first)
@@ -134,17 +136,15 @@ class TableSync:
         if news:
             self.tables.rebuild(kind)
 
-    def _where(self, kv: KeyValue) -> tuple[Kind, int] | None:
-        where = keys.parse_group_key(kv.key)
+    def _where(self, key: str) -> tuple[Kind, int] | None:
+        where = keys.parse_group_key(key)
         if where is None or where[0] != self._region:
             return None
         _, kind, first = where
         return ("session" if kind == "session" else "prefix"), first
 
-    def _parse(self, kv: KeyValue, kind: Kind, first: int) -> Range | None:
+    def _parse(self, kv: etcd.Entry, kind: Kind, first: int) -> Range | None:
         """The range ``kv`` holds, or ``None`` (logged) when it does not parse or fit."""
-        if kv.value is None:
-            return None
         region = self._region
         n_buckets = self.tables.settings.n_buckets
         try:
@@ -167,7 +167,7 @@ class TableSync:
             return None
         return Range(first=value.first, end=value.end, owner=value.owner)
 
-    def _ignore(self, kv: KeyValue, problem: str) -> None:
+    def _ignore(self, kv: etcd.Entry, problem: str) -> None:
         self.bad += 1
         log.warning(
             "group table entry ignored key=%s revision=%d problem=%s",
@@ -185,7 +185,7 @@ class TableSync:
             if lease is not None and self._orphaned(lease):
                 try:
                     await self.republish(lease)
-                except StoreError as exc:
+                except etcd.EtcdError as exc:
                     self._on_failure(exc)
                     await asyncio.sleep(backoff.next_s())
                     continue
@@ -199,17 +199,21 @@ class TableSync:
                 continue
             try:
                 await self.flush(now=now)
-            except StoreError as exc:
+            except etcd.EtcdError as exc:
                 self._on_failure(exc)
+                await asyncio.sleep(backoff.next_s())
+                continue
+            except TableConflicts as exc:
+                log.warning("group tables region=%s: %s", self._region, exc.message)
                 await asyncio.sleep(backoff.next_s())
                 continue
             self._on_answer()
             backoff.reset()
 
-    def _orphaned(self, lease: LeaseId) -> bool:
+    def _orphaned(self, lease: etcd.Lease) -> bool:
         return any(was != lease for mine in self._mine.values() for _, was, _ in mine.values())
 
-    async def republish(self, lease: LeaseId) -> int:
+    async def republish(self, lease: etcd.Lease) -> int:
         """Our ranges under an older lease went with it: read the tables again and restore, as
         pending moves, those whose key is now absent.  Returns how many."""
         await self.read()
@@ -234,7 +238,7 @@ class TableSync:
                 "with the previous lease",
                 self._region,
                 restored,
-                lease,
+                lease.id,
             )
         return restored
 
@@ -264,12 +268,13 @@ class TableSync:
                 )
                 await self.read()
                 if attempts >= MAX_ATTEMPTS:
-                    raise StoreError(
-                        f"group table {kind}: {attempts} compares failed in a row; backing off"
+                    raise TableConflicts(
+                        f"group table {kind}: {attempts} compares failed in a row (other agents "
+                        "keep changing these ranges); backing off"
                     )
         return committed
 
-    async def _commit(self, publish: Publish, lease: LeaseId) -> int | None:
+    async def _commit(self, publish: Publish, lease: etcd.Lease) -> int | None:
         at = round(self._wall(), 3)
         n_buckets = self.tables.settings.n_buckets
         puts = []

@@ -1,10 +1,10 @@
-"""Group routing tables in the agent: the ``groups`` routing policy and the table state it routes
-by (docs/group-tables.md; the decisions are ``policies.groups``').
+"""The group routing tables the agent routes by (docs/group-tables.md): state, no I/O.
 
 :class:`GroupTables` holds, for each kind of table (``prefix``, ``session``), what the agent
-routes by and what it must publish; it does no I/O.  The publisher
-(``regional_agent/publisher/tables.py``) feeds it what etcd holds (a read, then the watch) and
-writes what it has to publish, under the agent's lease, in revision-guarded transactions.
+routes by and what it must publish.  The ``groups`` policy (``policies.group_routing``) reads it
+through ``policies.group_routing.Tables``; :class:`~regional_agent.group_routing.sync.TableSync`
+feeds it what etcd holds (a read, then the watch) and writes what it has to publish, under the
+agent's lease, in revision-guarded transactions.
 
 * **Groups.**  Each node belongs to a GPU group (``nodes[].group``, default the node id: every
   node its own group).  A group weighs its nodes' weights summed.  The base table is
@@ -22,18 +22,15 @@ Not thread-safe; every call runs on the event loop.
 
 from __future__ import annotations
 
-import collections
-import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from meridian_wire.models import GroupLayout
-from policies import groups, routing
+from policies import groups
+from policies.group_routing import KINDS, GroupRoutingConfig
 from policies.groups import GroupId, Kind, Range, Table
-from policies.model import Decision, NodeId, NodeView, RequestView
-from regional_agent.settings import GROUPS_POLICY, GroupTableSettings
-
-KINDS: tuple[Kind, ...] = ("prefix", "session")
+from policies.model import NodeId
+from regional_agent.settings import GroupTableSettings
 
 # node id -> (its group, its weight), for every node in the pool
 Membership = Callable[[], Mapping[NodeId, tuple[GroupId, float]]]
@@ -87,6 +84,18 @@ class GroupTables:
         self.moves = 0  # bucket moves this agent made
         self.reads = 0  # tables rebuilt from what etcd holds
         self.sync()
+
+    def config(self, *, block_tokens: int) -> GroupRoutingConfig:
+        """The ``groups`` policy's knobs from these tables' settings."""
+        s = self.settings
+        return GroupRoutingConfig(
+            n_buckets=s.n_buckets,
+            key_blocks=s.key_blocks,
+            move_abs_threshold=s.move_abs_threshold,
+            move_rel_threshold=s.move_rel_threshold,
+            memory_keys=s.memory_keys,
+            block_tokens=block_tokens,
+        )
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -287,104 +296,6 @@ class GroupTables:
         del state.pending[: publish.moves]
         state.debouncer = publish.debouncer.touch(state.since_flush)
         state.since_flush = set()
-
-
-# -- the routing policy ----------------------------------------------------------------------------
-
-
-def _load(node: NodeView) -> float:
-    """Requests on a node: this agent's in flight, or the engine's running count when other
-    agents put more there, plus what waits in the engine.  Unknown telemetry: ours only."""
-    if node.telemetry is None:
-        return float(node.in_flight)
-    return float(max(node.in_flight, node.telemetry.running) + node.telemetry.waiting)
-
-
-class GroupPolicy:
-    """``groups``: the request's bucket (session id, else prompt prefix) -> its group in the
-    shared table -> a GPU of that group by ``groups.choose_member``.  A group far busier per GPU
-    than the least-loaded one loses the bucket to it (``groups.choose``); the move is published.
-    A request with neither a session nor a full prompt block goes to the least-loaded node."""
-
-    name = GROUPS_POLICY
-
-    def __init__(self, tables: GroupTables, *, block_tokens: int) -> None:
-        self.tables = tables
-        s = tables.settings
-        self._guard = groups.Guard(
-            abs_threshold=s.move_abs_threshold, rel_threshold=s.move_rel_threshold
-        )
-        self._memory: collections.OrderedDict[int, NodeId] = collections.OrderedDict()
-        self._memory_cap = s.memory_keys
-        self._block_tokens = block_tokens
-
-    def key_of(self, request: RequestView) -> tuple[Kind, int] | None:
-        if request.session_key:
-            return "session", groups.session_key(request.session_key)
-        blocks = request.block_hashes
-        if request.block_tokens != self._block_tokens or not blocks:
-            return None
-        key = groups.prefix_key(blocks, key_blocks=self.tables.settings.key_blocks)
-        return None if key is None else ("prefix", key)
-
-    def choose(
-        self,
-        request: RequestView,
-        nodes: Sequence[NodeView],
-        *,
-        now: float,
-        rng: random.Random,
-    ) -> Decision:
-        ready = routing.candidates(request, nodes)
-        if not ready:
-            return Decision(node=None, reason="groups: no node can take it now")
-        self.tables.sync()
-        keyed = self.key_of(request)
-        if keyed is None:
-            pick = min(ready, key=lambda n: (_load(n) + 1) / max(n.weight, 1e-6))
-            return Decision(node=pick.node_id, reason="groups: no routing key, least loaded")
-        kind, key = keyed
-        tables = self.tables
-        bucket = groups.bucket_of(key, n_buckets=tables.settings.n_buckets)
-        # group loads over every routable node serving the model, slots full or not: a group
-        # whose slots are full waits for them rather than losing its buckets
-        per_group: dict[GroupId, list[float]] = {}
-        for n in nodes:
-            if n.routable and request.model in n.models:
-                grp = tables.group_of.get(n.node_id, GroupId(n.node_id))
-                per_group.setdefault(grp, []).append(_load(n))
-        loads = {g: sum(v) / len(v) for g, v in per_group.items()}
-        home = tables.table(kind).lookup(bucket)
-        choice = groups.choose(home, loads, guard=self._guard, rng=rng)
-        grp = GroupId(choice.owner)
-        members = {
-            n.node_id: _load(n) for n in ready if tables.group_of.get(n.node_id, n.node_id) == grp
-        }
-        if not members:
-            return Decision(
-                node=None, reason=f"groups: {kind} bucket {bucket} -> {grp}, slots full"
-            )
-        if choice.changed and grp in tables.weights:
-            tables.move(kind, bucket, grp)
-        remembered = self._memory.get(key)
-        member = groups.choose_member(key, members, remembered=remembered, guard=self._guard)
-        node = NodeId(member.owner)
-        self._memory[key] = node
-        self._memory.move_to_end(key)
-        while len(self._memory) > self._memory_cap:
-            self._memory.popitem(last=False)
-        return Decision(
-            node=node,
-            reason=f"groups: {kind} bucket {bucket} -> {grp} ({choice.reason}); {member.reason}",
-        )
-
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
-        return None
-
-    def forget_node(self, node: NodeId) -> None:
-        for key in [k for k, v in self._memory.items() if v == node]:
-            del self._memory[key]
-        self.tables.sync()
 
 
 def stored_entries(values: Iterable[tuple[int, Range, int]]) -> dict[int, Stored]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from policies import admission, prompt
 from policies.model import NodeId, RequestView
-from regional_agent.app_state import AGENT, Agent
+from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import (
     AgentError,
     BadRequest,
@@ -60,7 +59,7 @@ class _Parsed:
 
 
 async def models(request: web.Request) -> web.Response:
-    agent = request.app[AGENT]
+    agent = request.app[EDGE]
     data = [
         {"id": model, "object": "model", "owned_by": "meridian", "root": model}
         for model in sorted(agent.pool.models())
@@ -79,7 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 # -- parsing ------------------------------------------------------------------------------------
 
 
-async def _parse(request: web.Request, agent: Agent, *, chat: bool) -> _Parsed:
+async def _parse(request: web.Request, agent: Edge, *, chat: bool) -> _Parsed:
     raw = await request.read()
     try:
         body = json.loads(raw)
@@ -159,8 +158,8 @@ def _completion_tokens(value: object) -> tuple[int, ...]:
 
 
 async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamResponse:
-    agent = request.app[AGENT]
-    arrived = time.monotonic()
+    agent = request.app[EDGE]
+    arrived = agent.clock.now()
     parsed = await _parse(request, agent, chat=chat)
     request_id = request.headers.get("X-Request-ID") or uuid.uuid4().hex
     headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
@@ -201,7 +200,7 @@ async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamRe
 
 async def _attempts(
     request: web.Request,
-    agent: Agent,
+    agent: Edge,
     parsed: _Parsed,
     path: str,
     headers: Mapping[str, str],
@@ -295,7 +294,7 @@ def _mime(content_type: str) -> str:
 
 async def _one_attempt(
     request: web.Request,
-    agent: Agent,
+    agent: Edge,
     parsed: _Parsed,
     path: str,
     headers: Mapping[str, str],
@@ -317,7 +316,7 @@ async def _one_attempt(
 
 async def _send(
     request: web.Request,
-    agent: Agent,
+    agent: Edge,
     parsed: _Parsed,
     path: str,
     headers: Mapping[str, str],
@@ -327,7 +326,7 @@ async def _send(
     node = agent.pool.get(lease.node_id)
     if node is None:  # removed while we waited
         raise UpstreamUnavailable(f"node {lease.node_id} was removed", node_id=lease.node_id)
-    sent = time.monotonic()
+    sent = agent.clock.now()
     url = node.endpoint(path)
     try:
         async with agent.client.post(lease.node_id, url, body=parsed.raw, headers=headers) as up:
@@ -351,7 +350,7 @@ async def _send(
 
 async def _relay_stream(
     request: web.Request,
-    agent: Agent,
+    agent: Edge,
     up: UpstreamResponse,
     lease: Lease,
     *,
@@ -365,9 +364,9 @@ async def _relay_stream(
         raise UpstreamProtocolError(
             f"node {lease.node_id} sent an empty stream", node_id=lease.node_id
         ) from None
-    now = time.monotonic()
+    now = agent.clock.now()
     lease.first_token()
-    agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=agent.clock.now())
+    agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=now)
     agent.instruments.record_ttft(now - arrived)
     response = web.StreamResponse(
         status=up.status,

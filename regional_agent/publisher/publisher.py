@@ -17,8 +17,14 @@ them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
   ``RegionDesired``; the capacity floor goes to the autoscaler, the admin state is
   acknowledged in the status.  A value that does not parse is logged with its key and ignored;
   the last good one stays in force.
-* ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``publisher/tables.py``) — the group
-  tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them.
+* ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``group_routing/sync.py``) — the group
+  tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them, under this
+  publisher's lease.
+
+The publisher is given what it reads, not the agent: the node pool (for the serving nodes),
+the queue depth, the instruments (request totals for the load window, etcd state and write
+counters), and the callback that hands the desired capacity floor to the autoscaler (none
+without one: the floor it reports is then 0).
 
 Fail static: when etcd does not answer, the agent serves on what it knows.  Each loop retries
 with backoff and jitter; the change of state (etcd lost, etcd back) is logged once, not every
@@ -39,17 +45,17 @@ from collections.abc import Callable
 
 import pydantic
 
+import meridian_etcd as etcd
+from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import RegionDesired, RegionStatus
-from regional_agent.app_state import Agent
-from regional_agent.errors import LeaseLost, StoreError
+from regional_agent.group_routing import GroupTables, TableSync
+from regional_agent.nodes import NodePool
+from regional_agent.observability import Instruments
 from regional_agent.publisher import status
 from regional_agent.publisher.load import LoadWindow
-from regional_agent.publisher.store import Change, LeaseId, Store
-from regional_agent.publisher.tables import TableSync
 from regional_agent.retry import Backoff
 from regional_agent.settings import RegionSettings
-from regional_agent.tables import GroupTables
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +63,8 @@ log = logging.getLogger(__name__)
 class Link:
     """Whether etcd answers, as the loops find it; each change is logged once."""
 
-    def __init__(self, *, agent: Agent, region: str) -> None:
-        self._agent = agent
+    def __init__(self, *, instruments: Instruments, region: str) -> None:
+        self._instruments = instruments
         self._region = region
         self.up: bool | None = None  # None: not tried yet
         self.changes = 0  # how many times it went down or came back
@@ -73,10 +79,10 @@ class Link:
             else:
                 log.info("etcd reachable region=%s etcd=%s", self._region, endpoint)
         self.up = True
-        self._agent.instruments.etcd_connected = True
+        self._instruments.etcd_connected = True
         return came_back
 
-    def failed(self, exc: StoreError) -> None:
+    def failed(self, exc: etcd.EtcdError) -> None:
         if exc.stale:
             return  # another call succeeded after this one failed: etcd answers
         if self.up is not False:
@@ -88,37 +94,45 @@ class Link:
                 exc.message,
             )
         self.up = False
-        self._agent.instruments.etcd_connected = False
+        self._instruments.etcd_connected = False
 
 
 class Publisher:
     def __init__(
         self,
         *,
-        agent: Agent,
-        store: Store,
+        store: etcd.Store,
         settings: RegionSettings,
+        pool: NodePool,
+        queue_depth: Callable[[], int],
+        instruments: Instruments,
+        clock: Clock,
         rng: random.Random,
+        on_floor: Callable[[float], None] | None = None,
         wall: Callable[[], float] = time.time,
         tables: GroupTables | None = None,
     ) -> None:
-        self._agent = agent
         self._store = store
         self._settings = settings
+        self._pool = pool
+        self._queue_depth = queue_depth
+        self._instruments = instruments
+        self._clock = clock
+        self._on_floor = on_floor
         self._wall = wall
         self._rng = rng
         self.identity = status.Identity.of(settings, agent_id=default_agent_id())
         self.region = self.identity.region
         self.agent_id = self.identity.agent_id
         self._timing = status.Timing.of(settings)
-        self.link = Link(agent=agent, region=self.region)
+        self.link = Link(instruments=instruments, region=self.region)
         self.window = LoadWindow(window_s=settings.window_s)
         self.desired = RegionDesired()  # the last good value; defaults until one is read
         self.desired_revision = 0
         self.written: RegionStatus | None = None  # the last status written
         self._written_at: float | None = None
         self._force: str | None = None  # write the status at the next tick, for this reason
-        self._lease: LeaseId | None = None
+        self._lease: etcd.Lease | None = None
         self._grants = 0
         self.writes: dict[str, int] = {"alive": 0, "status": 0}
         self.tables: TableSync | None = None
@@ -128,7 +142,7 @@ class Publisher:
                 tables=tables,
                 region=self.region,
                 agent_id=self.agent_id,
-                clock=agent.clock,
+                clock=clock,
                 wall=wall,
                 lease=lambda: self._lease,
                 backoff=self._backoff,
@@ -139,17 +153,21 @@ class Publisher:
     # -- what others read --------------------------------------------------------------------
 
     @property
-    def lease(self) -> LeaseId | None:
+    def lease(self) -> etcd.Lease | None:
         return self._lease
 
     def floor(self) -> float:
         """The capacity floor the agent honours: the desired one when an autoscaler acts on
         it, else none."""
-        return self.desired.capacity_floor if self._agent.autoscaler is not None else 0.0
+        return self.desired.capacity_floor if self._on_floor is not None else 0.0
 
     def observe(self) -> RegionStatus:
+        pool = self._pool
         return status.observe(
-            self._agent,
+            serving=pool.serving(now=self._clock.now()),
+            nodes_total=len(pool),
+            in_flight=sum(max(0, n.in_flight) for n in pool),
+            queue_depth=self._queue_depth(),
             identity=self.identity,
             window=self.window.load(),
             desired=self.desired,
@@ -173,12 +191,12 @@ class Publisher:
                     await self._store.put(key, b"", lease=lease)
                     self._wrote("alive")
                     self._lease = lease
-                    checked_at = self._agent.clock.now()
+                    checked_at = self._clock.now()
                     log.info(
                         "liveness lease granted region=%s key=%s lease=%x ttl_s=%d",
                         self.region,
                         key,
-                        lease,
+                        lease.id,
                         ttl_s,
                     )
                     if self._grants:  # granted again: etcd may have lost the status too
@@ -186,31 +204,31 @@ class Publisher:
                     self._grants += 1
                 else:
                     await self._store.keep_alive(self._lease)
-                    now = self._agent.clock.now()
+                    now = self._clock.now()
                     if now - checked_at >= self._settings.window_s:
                         await self._check_alive(key, self._lease)
                         checked_at = now
                 self._answered()
                 backoff.reset()
                 delay_s = refresh_s
-            except LeaseLost as exc:
+            except etcd.LeaseLost as exc:
                 self._answered()
                 log.warning(
                     "liveness lease lost region=%s lease=%x error=%s: granting a new one",
                     self.region,
-                    self._lease or 0,
+                    0 if self._lease is None else self._lease.id,
                     exc.message,
                 )
                 self._lease = None
                 delay_s = 0.0
-            except StoreError as exc:
+            except etcd.EtcdError as exc:
                 self.link.failed(exc)
                 delay_s = min(backoff.next_s(), refresh_s)
             await asyncio.sleep(delay_s)
 
-    async def _check_alive(self, key: str, lease: LeaseId) -> None:
+    async def _check_alive(self, key: str, lease: etcd.Lease) -> None:
         got = await self._store.get(key)
-        if got is None or got.lease != lease:
+        if got is None or got.lease != lease.id:
             await self._store.put(key, b"", lease=lease)
             self._wrote("alive")
             log.warning(
@@ -228,8 +246,8 @@ class Publisher:
         backoff = self._backoff()
         retry_at = float("-inf")
         while True:
-            now = self._agent.clock.now()
-            self.window.sample(self._agent.instruments.totals, now=now)
+            now = self._clock.now()
+            self.window.sample(self._instruments.totals, now=now)
             lease = self._lease  # the status lives under the liveness lease: none yet, wait
             if now >= retry_at and lease is not None:
                 current = self.observe()
@@ -244,10 +262,10 @@ class Publisher:
                 if reason is not None:
                     try:
                         await self._store.put(key, current.model_dump_json().encode(), lease=lease)
-                    except LeaseLost:
+                    except etcd.LeaseLost:
                         self._answered()
                         self._force = self._force or "lease granted again"
-                    except StoreError as exc:
+                    except etcd.EtcdError as exc:
                         self.link.failed(exc)
                         retry_at = now + backoff.next_s()
                         self._force = self._force or "etcd back"
@@ -287,11 +305,11 @@ class Publisher:
                         self._answered()
                         backoff.reset()
                         self.apply_desired(key, change)
-            except StoreError as exc:
+            except etcd.EtcdError as exc:
                 self.link.failed(exc)
             await asyncio.sleep(backoff.next_s())
 
-    def apply_desired(self, key: str, change: Change) -> None:
+    def apply_desired(self, key: str, change: etcd.Change) -> None:
         """Take a new desired value; a malformed one is logged and ignored."""
         if change.value is None:
             desired = RegionDesired()
@@ -334,8 +352,8 @@ class Publisher:
                 self.region,
                 desired.admin,
             )
-        if self._agent.autoscaler is not None:
-            self._agent.autoscaler.set_floor(desired.capacity_floor)
+        if self._on_floor is not None:
+            self._on_floor(desired.capacity_floor)
 
     # -- stop --------------------------------------------------------------------------------
 
@@ -346,8 +364,8 @@ class Publisher:
         if lease is not None:
             try:
                 await self._store.revoke(lease)
-                log.info("liveness lease revoked region=%s lease=%x", self.region, lease)
-            except StoreError as exc:
+                log.info("liveness lease revoked region=%s lease=%x", self.region, lease.id)
+            except etcd.EtcdError as exc:
                 log.info("liveness lease not revoked (it expires) error=%s", exc.message)
         await self._store.close()
 
@@ -364,7 +382,7 @@ class Publisher:
 
     def _wrote(self, kind: str) -> None:
         self.writes[kind] += 1
-        self._agent.instruments.count_store_write(kind=kind)
+        self._instruments.count_store_write(kind=kind)
 
 
 def default_agent_id() -> str:

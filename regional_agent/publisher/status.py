@@ -1,6 +1,8 @@
 """What the region's status says (:func:`observe`) and when it is worth a write (:func:`decide`).
 
-``decide`` is pure: it compares the status about to be written with the one etcd holds.
+Both are pure: ``observe`` builds the status from plain values the publisher reads (the serving
+nodes' views, counts, the load window, the desired state), and ``decide`` compares the status
+about to be written with the one etcd holds.
 
 * a change of what the controller decides on — nodes healthy or total, capacity, the floor
   honoured, endpoints, residency, geo, the admin state and generation acknowledged — is written
@@ -16,11 +18,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from meridian_wire.models import GroupLayout, RegionDesired, RegionLoad, RegionStatus
-from regional_agent.app_state import Agent
+from policies.model import NodeView
 from regional_agent.publisher.load import WindowLoad
 from regional_agent.settings import RegionSettings
 
@@ -60,8 +62,11 @@ class Identity:
 
 
 def observe(
-    agent: Agent,
     *,
+    serving: Sequence[NodeView],
+    nodes_total: int,
+    in_flight: int,
+    queue_depth: int,
     identity: Identity,
     window: WindowLoad,
     desired: RegionDesired,
@@ -69,13 +74,13 @@ def observe(
     wall_now: float,
     layout: GroupLayout | None = None,
 ) -> RegionStatus:
-    """The region's status as the agent sees it now."""
-    now = agent.clock.now()
-    serving = agent.pool.serving(now=now)
+    """The region's status as the agent sees it now: ``serving`` the views of the nodes that
+    serve (active and healthy), ``nodes_total`` every node, ``in_flight`` and ``queue_depth``
+    the agent's own requests."""
     known_kv = [v.telemetry.kv_util for v in serving if v.telemetry is not None]
     load = RegionLoad(
-        queue_depth=agent.dispatcher.depth(),
-        in_flight=sum(max(0, n.in_flight) for n in agent.pool),
+        queue_depth=queue_depth,
+        in_flight=in_flight,
         kv_util=round(sum(known_kv) / len(known_kv), 4) if known_kv else 0.0,
         requests_per_s=round(window.requests_per_s, 3),
         error_rate=round(window.error_rate, 4),
@@ -87,7 +92,7 @@ def observe(
         residency=list(identity.residency),
         endpoints=list(identity.endpoints),
         nodes_healthy=len(serving),
-        nodes_total=len(agent.pool),
+        nodes_total=nodes_total,
         capacity=round(sum(v.weight for v in serving), 6),
         capacity_floor=floor,
         load=load,

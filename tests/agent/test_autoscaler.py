@@ -38,7 +38,7 @@ def _simulator(**overrides: object) -> dict[str, object]:
 
 
 def _actuator(handle: AgentHandle) -> SimulatorActuator:
-    scaler = handle.agent.autoscaler
+    scaler = handle.autoscaler
     assert scaler is not None and isinstance(scaler.actuator, SimulatorActuator)
     return scaler.actuator
 
@@ -64,9 +64,9 @@ async def test_desired_floor_starts_sim_nodes_that_serve_then_scale_down_to_own_
         handle = await starter(
             [own_url], policy="round_robin", region=region(etcd), autoscaler=_simulator()
         )
-        scaler = handle.agent.autoscaler
+        scaler = handle.autoscaler
         actuator = _actuator(handle)
-        pool = handle.agent.pool
+        pool = handle.edge.pool
         async with publishing.client(etcd) as c:
             await eventually(lambda: status(c), what="the first status")
             await put_desired(c, {"capacity_floor": 3, "generation": 1})
@@ -119,7 +119,7 @@ async def test_autoscaler_respects_max_nodes_and_stops_its_nodes_with_the_agent(
             await eventually(
                 lambda: "no room for another node" in caplog.text, what="the warning", timeout_s=60
             )
-        assert len(actuator.started) == 2 and len(handle.agent.pool) == 3
+        assert len(actuator.started) == 2 and len(handle.edge.pool) == 3
         assert caplog.text.count("no room for another node") == 1  # said once, not every tick
         processes = [s.process for s in actuator.started.values()]
     finally:
@@ -133,7 +133,7 @@ async def test_a_started_node_that_exits_is_removed_and_replaced(
     handle = await start_agent(
         [await sim_node(profile_name="cpu-tiny")], autoscaler=_simulator(max_nodes=1)
     )
-    scaler = handle.agent.autoscaler
+    scaler = handle.autoscaler
     actuator = _actuator(handle)
     assert scaler is not None
     scaler.set_floor(2)  # as the publisher does with the desired floor
@@ -148,14 +148,14 @@ async def test_a_started_node_that_exits_is_removed_and_replaced(
         what="a replacement",
         timeout_s=60,
     )
-    assert first.node_id not in handle.agent.pool and second.node_id in handle.agent.pool
+    assert first.node_id not in handle.edge.pool and second.node_id in handle.edge.pool
 
 
 async def test_without_an_actuator_no_floor_is_honoured(
     etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:
     handle = await start_agent([await sim_node(profile_name="cpu-tiny")], region=region(etcd))
-    assert handle.agent.autoscaler is None
+    assert handle.autoscaler is None
     async with publishing.client(etcd) as c:
         await put_desired(c, {"capacity_floor": 4, "generation": 3})
 
@@ -165,7 +165,7 @@ async def test_without_an_actuator_no_floor_is_honoured(
 
         st = await eventually(seen, what="generation 3 acknowledged")
     assert st.capacity_floor == 0.0  # read, but nothing acts on it: the controller can tell
-    assert len(handle.agent.pool) == 1
+    assert len(handle.edge.pool) == 1
 
 
 # -- dry run and command ----------------------------------------------------------------------
@@ -220,7 +220,7 @@ async def test_a_failing_command_is_retried_and_reported_once(
             "interval_s": 0.05,
         },
     )
-    scaler = handle.agent.autoscaler
+    scaler = handle.autoscaler
     assert isinstance(scaler, Autoscaler) and isinstance(scaler.actuator, Command)
     scaler.set_floor(2)
     await eventually(lambda: scaler.actuator.runs >= 3, what="retries")  # type: ignore[attr-defined]
@@ -285,7 +285,7 @@ async def test_set_floor_wakes_the_loop(start_agent: AgentFactory, sim_node: Nod
         [await sim_node(profile_name="cpu-tiny")],
         autoscaler={"actuator": "dry-run", "interval_s": 3600},
     )
-    scaler = handle.agent.autoscaler
+    scaler = handle.autoscaler
     assert scaler is not None and isinstance(scaler.actuator, DryRun)
     await asyncio.sleep(0.2)
     scaler.set_floor(5)

@@ -16,29 +16,30 @@ from typing import Any
 
 import aiohttp
 
+import meridian_etcd
 from meridian_service.clock import MonotonicClock
 from meridian_wire import keys
 from meridian_wire.models import GroupTable
 from policies import groups
+from policies.group_routing import GroupPolicy
 from policies.groups import GroupId
 from policies.model import NodeId
-from regional_agent.publisher.store import LeaseId, Store
-from regional_agent.publisher.tables import TableSync
+from regional_agent.group_routing import GroupTables, TableSync
 from regional_agent.retry import Backoff
 from regional_agent.settings import GroupTableSettings
-from regional_agent.tables import GroupPolicy, GroupTables
 from tests.agent import publishing
 from tests.agent.publishing import REGION, eventually, region
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes
+from tests.support.etcd import client as etcd_client
 
 MODEL = "tiny-model"
 FAST_TABLES = {"debounce_s": 0.2}
 
 
 def _policy(handle: AgentHandle) -> GroupPolicy:
-    policy = handle.agent.dispatcher.policy
+    policy = handle.edge.dispatcher.policy
     assert isinstance(policy, GroupPolicy)
     return policy
 
@@ -104,10 +105,11 @@ async def test_a_move_by_one_agent_is_followed_by_the_other(
             return list(await c.get_prefix(keys.groups(REGION).encode())) or None
 
         kvs: list[Any] = await eventually(stored, what="a1's move in etcd", timeout_s=10)
-        lease = a1.agent.publisher.lease if a1.agent.publisher else None
+        lease = a1.publisher.lease if a1.publisher else None
+        assert lease is not None
         values = [GroupTable.model_validate_json(kv.value) for kv in kvs]
         assert {v.agent for v in values} == {"a1"}
-        assert all(int(kv.lease) == lease for kv in kvs)  # under a1's lease
+        assert all(int(kv.lease) == lease.id for kv in kvs)  # under a1's lease
         moved = [v for v in values if v.first <= bucket < v.end]
         assert [v.owner for v in moved] == [other]
     # a2 sees it through its watch, within the debounce window plus the watch
@@ -128,12 +130,12 @@ class _Replica:
     the interleavings the tests need can be forced."""
 
     def __init__(self, etcd: EtcdServer, name: str, nodes: dict[NodeId, GroupId]) -> None:
-        self.store = Store(endpoints=[etcd.url], timeout_s=2.0)
+        self.store = etcd_client(etcd.url, timeout_s=2.0)
         self.tables = GroupTables(
             GroupTableSettings(debounce_s=0.0),
             membership=lambda: {n: (g, 1.0) for n, g in nodes.items()},
         )
-        self.lease: LeaseId | None = None
+        self.lease: meridian_etcd.Lease | None = None
         rng = random.Random(0)
         self.sync = TableSync(
             store=self.store,
@@ -281,15 +283,15 @@ async def test_own_ranges_come_back_under_a_new_lease_after_the_old_one_is_lost(
                 out[v.first] = (v, kv.lease)
             return out
 
-        async def wait_stored(lease: LeaseId) -> dict[int, tuple[GroupTable, int]]:
+        async def wait_stored(lease: meridian_etcd.Lease) -> dict[int, tuple[GroupTable, int]]:
             end = time.monotonic() + 10
             while time.monotonic() < end:
                 got = await stored()
-                if any(v.first <= bucket < v.end and v.owner == other and held == lease
+                if any(v.first <= bucket < v.end and v.owner == other and held == lease.id
                        for v, held in got.values()):  # fmt: skip
                     return got
                 await asyncio.sleep(0.05)
-            raise AssertionError(f"the move is not in etcd under lease {lease:x}: {got}")
+            raise AssertionError(f"the move is not in etcd under lease {lease.id:x}: {got}")
 
         old = r.lease
         assert old is not None
@@ -312,3 +314,40 @@ async def test_own_ranges_come_back_under_a_new_lease_after_the_old_one_is_lost(
             with contextlib.suppress(asyncio.CancelledError):
                 await flush
         await r.close()
+
+
+async def test_the_admin_policy_endpoints_list_and_switch_to_groups(
+    etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """``groups`` is one of the policies ``GET /admin/policy`` lists and ``PUT`` switches to when
+    the agent keeps group tables; an agent without them says why it cannot switch (409)."""
+    urls = [await sim_node(profile_name="cpu-tiny", seed=i) for i in range(2)]
+    plain = await start_agent(urls, policy="meridian")
+    grouped = await start_agent(
+        urls, policy="groups", region=region(etcd, agent_id="a1"), group_tables=FAST_TABLES
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{plain.url}/admin/policy", headers=ADMIN) as r:
+            body = await r.json()
+        assert (
+            "groups" not in body["available"] and "routing.policy" in body["unavailable"]["groups"]
+        )
+        async with s.put(
+            f"{plain.url}/admin/policy", json={"policy": "groups"}, headers=ADMIN
+        ) as r:
+            assert r.status == 409
+            error = (await r.json())["error"]
+            assert 'routing.policy = "groups"' in error["message"] and error["param"] == "policy"
+        assert plain.edge.dispatcher.policy.name == "meridian"  # nothing changed
+
+        async with s.get(f"{grouped.url}/admin/policy", headers=ADMIN) as r:
+            body = await r.json()
+        assert body["policy"] == "groups" and "groups" in body["available"]
+        tables = _policy(grouped).tables
+        for name in ("prefix_aware", "groups"):
+            async with s.put(
+                f"{grouped.url}/admin/policy", json={"policy": name}, headers=ADMIN
+            ) as r:
+                assert r.status == 200 and (await r.json())["policy"] == name
+        assert _policy(grouped).tables is tables  # back on the same tables, still synced
+        await _chat(grouped.url, "conv-admin")

@@ -1,5 +1,5 @@
-"""The agent's group-table state and the ``groups`` routing policy, without I/O
-(regional_agent/tables.py)."""
+"""The agent's group-table state (regional_agent/group_routing/tables.py) and the ``groups``
+routing policy over it (policies/group_routing.py), without I/O."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import random
 import pytest
 
 from policies import groups
+from policies.group_routing import GroupPolicy
 from policies.groups import GroupId, Range
 from policies.model import NodeId, NodeView, RequestView, Telemetry
+from regional_agent.group_routing.tables import GroupTables, Stored
 from regional_agent.settings import GroupTableSettings, NodeSettings, Settings
-from regional_agent.tables import GroupPolicy, GroupTables, Stored
 
 NODES = {NodeId(f"n{i}"): GroupId(f"g{i // 2}") for i in range(6)}  # 3 groups of 2
 
@@ -86,7 +87,7 @@ def _request(session: str) -> RequestView:
 
 def test_the_policy_follows_the_table_then_picks_a_member_by_rendezvous() -> None:
     t = _tables()
-    policy = GroupPolicy(t, block_tokens=16)
+    policy = GroupPolicy(t, t.config(block_tokens=16))
     rng = random.Random(0)
     views = [_view(n) for n in NODES]
     d = policy.choose(_request("conv-1"), views, now=0.0, rng=rng)
@@ -100,7 +101,7 @@ def test_the_policy_follows_the_table_then_picks_a_member_by_rendezvous() -> Non
 
 def test_a_far_busier_group_loses_the_bucket_and_the_move_is_published() -> None:
     t = _tables(move_abs_threshold=4, move_rel_threshold=1.5)
-    policy = GroupPolicy(t, block_tokens=16)
+    policy = GroupPolicy(t, t.config(block_tokens=16))
     bucket = groups.bucket_of(groups.session_key("conv-1"), n_buckets=1024)
     home = t.table("session").lookup(bucket)
     # other agents keep the home group busy: the engines report it running

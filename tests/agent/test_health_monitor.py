@@ -381,7 +381,7 @@ async def test_panic_routes_over_nodes_whose_probes_fail(
     )
     for url in urls[1:]:
         await _faults(url, {"fail_health": True})
-    agent = handle.agent
+    agent = handle.edge
     pool, clock = agent.pool, agent.clock
     await _until(pool, lambda: sum(v.routable for v in pool.observed(now=clock.now())) == 1)
     async with openai_client(handle.url) as client:
@@ -415,7 +415,7 @@ async def test_without_panic_traffic_is_squeezed_onto_the_healthy_node(
     )
     for url in urls[1:]:
         await _faults(url, {"fail_health": True})
-    agent = handle.agent
+    agent = handle.edge
     pool, clock = agent.pool, agent.clock
     await _until(pool, lambda: sum(v.routable for v in pool.views(now=clock.now())) == 1)
     async with openai_client(handle.url) as client:

@@ -26,14 +26,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_wire import keys
-from meridian_wire.models import RegionLoad, RegionStatus
+from meridian_wire.models import RegionDesired, RegionLoad, RegionStatus
+from policies.model import NodeId, NodeView, Telemetry
 from regional_agent import cli
 from regional_agent import settings as agent_settings
-from regional_agent.errors import LeaseLost, StoreUnavailable
 from regional_agent.observability import RequestTotals, quantile
 from regional_agent.publisher import status as status_mod
 from regional_agent.publisher.load import LoadWindow
-from regional_agent.publisher.store import Store
 from regional_agent.retry import Backoff, supervise
 from tests.agent import publishing
 from tests.agent.conftest import SimProcess
@@ -41,8 +40,6 @@ from tests.agent.publishing import REGION, alive, eventually, put_desired, regio
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
-from tests.support.etcd import HOST
-from tests.support.ports import free_port
 from tests.support.process import ServerProcess
 
 PUBLISHER_LOG = "regional_agent.publisher.publisher"
@@ -85,8 +82,9 @@ async def test_alive_key_lives_under_a_short_lease_and_goes_with_the_agent(
         handle = await starter(await _nodes(sim_node, 1), region=region(etcd))
         async with publishing.client(etcd) as c:
             lease = await eventually(lambda: alive(c), what="the alive key")
-            publisher = handle.agent.publisher
-            assert publisher is not None and publisher.lease == lease
+            publisher = handle.publisher
+            assert publisher is not None and publisher.lease is not None
+            assert publisher.lease.id == lease
             got = await publishing.agent_key(c, "alive")
             assert got is not None and got.value == b""
             assert bytes(got.key).decode() == keys.agent_alive(REGION, publisher.agent_id)
@@ -188,7 +186,7 @@ async def test_status_reports_counts_capacity_and_identity(
         raw = await c.get(keys.agent_status(REGION, "agent-a").encode())
         assert raw is not None
         RegionStatus.model_validate_json(raw.value)  # the wire contract, as the controller reads
-    assert handle.agent.publisher is not None
+    assert handle.publisher is not None
 
 
 async def test_status_is_rewritten_when_a_node_fails_and_recovers(
@@ -227,7 +225,7 @@ async def test_an_idle_region_writes_no_more_than_the_heartbeat(
         elapsed_s, writes = time.monotonic() - began, got[1] - version_before
     heartbeats = elapsed_s / 1.5
     assert 1 <= writes <= heartbeats + 2, f"{writes} writes in {elapsed_s:.1f} s"
-    publisher = handle.agent.publisher
+    publisher = handle.publisher
     assert publisher is not None and publisher.writes["alive"] == 1  # one put; keep-alives after
 
 
@@ -274,7 +272,7 @@ async def test_desired_admin_state_is_acknowledged_and_malformed_values_ignored(
 ) -> None:
     caplog.set_level(logging.INFO, logger=PUBLISHER_LOG)
     handle = await start_agent(await _nodes(sim_node, 1), region=region(etcd))
-    publisher = handle.agent.publisher
+    publisher = handle.publisher
     assert publisher is not None
     async with publishing.client(etcd) as c:
         await eventually(lambda: status(c), what="the status")
@@ -317,12 +315,13 @@ async def test_etcd_outage_agent_keeps_serving_then_converges(
 ) -> None:
     caplog.set_level(logging.INFO, logger=PUBLISHER_LOG)
     handle = await start_agent(await _nodes(sim_node, 2), region=region(fresh_etcd))
-    publisher = handle.agent.publisher
+    publisher = handle.publisher
     assert publisher is not None
     async with publishing.client(fresh_etcd) as c:
         await eventually(lambda: alive(c), what="the alive key")
         await eventually(lambda: status(c), what="the status")
-    first_lease = publisher.lease
+    assert publisher.lease is not None
+    first_lease = publisher.lease.id
 
     fresh_etcd.process.stop()
     await eventually(lambda: publisher.link.up is False, what="etcd seen down")
@@ -381,30 +380,6 @@ def _restart_etcd(server: EtcdServer, *, keep_data: bool) -> Iterator[EtcdServer
         yield again
     finally:
         process.stop()
-
-
-# -- the store: one module translates etcd's errors -----------------------------------------------
-
-
-async def test_store_translates_errors_and_moves_to_the_next_endpoint(etcd: EtcdServer) -> None:
-    dead = f"http://{HOST}:{free_port()}"
-    store = Store(endpoints=[dead, etcd.url], timeout_s=1.0)
-    try:
-        with pytest.raises(StoreUnavailable, match=dead):
-            await store.put("/meridian/v1/test", b"x")
-        assert store.endpoint == etcd.url  # the next call goes to the next endpoint
-        await store.put("/meridian/v1/test", b"x")
-        got = await store.get("/meridian/v1/test")
-        assert got is not None and got.value == b"x" and got.version == 1
-        lease = await store.grant(ttl_s=2)
-        assert await store.keep_alive(lease) == 2
-        await store.revoke(lease)
-        with pytest.raises(LeaseLost):
-            await store.keep_alive(lease)
-    finally:
-        await store.close()
-    with pytest.raises(StoreUnavailable):
-        await store.get("/meridian/v1/test")
 
 
 # -- pure parts: the write decision and the load window -------------------------------------------
@@ -467,6 +442,45 @@ def test_decide_writes_on_change_debounced_else_heartbeat(
         timing=TIMING,
     )
     assert got == expect
+
+
+def test_observe_builds_the_status_from_plain_values_without_an_agent() -> None:
+    """``status.observe`` is pure: the publisher hands it the serving nodes' views and counts."""
+
+    def view(node: str, *, weight: float, kv: float | None) -> NodeView:
+        telemetry = None
+        if kv is not None:
+            telemetry = Telemetry(
+                age_s=0.1, running=1, waiting=0, kv_util=kv, prefix_hit_rate=None, block_size=16
+            )
+        return NodeView(node_id=NodeId(node), models=frozenset({"m"}), weight=weight,
+                        telemetry=telemetry)  # fmt: skip
+
+    identity = status_mod.Identity(
+        region="eu-west", geo="eu", residency=("eu",), endpoints=("https://eu.example",),
+        agent_id="a1",
+    )  # fmt: skip
+    got = status_mod.observe(
+        serving=[
+            view("n1", weight=1.0, kv=0.2),
+            view("n2", weight=2.0, kv=0.4),
+            view("n3", weight=0.5, kv=None),
+        ],
+        nodes_total=5,
+        in_flight=7,
+        queue_depth=3,
+        identity=identity,
+        window=LoadWindow(window_s=10.0).load(),
+        desired=RegionDesired(admin="draining", generation=4),
+        floor=1.5,
+        wall_now=1_800_000_000.1234,
+    )
+    assert (got.nodes_healthy, got.nodes_total, got.capacity) == (3, 5, 3.5)
+    assert got.load.kv_util == pytest.approx(0.3)  # the mean over the nodes with telemetry
+    assert (got.load.in_flight, got.load.queue_depth) == (7, 3)
+    assert (got.admin, got.observed_generation, got.capacity_floor) == ("draining", 4, 1.5)
+    assert (got.region, got.agent_id, got.endpoints) == ("eu-west", "a1", ["https://eu.example"])
+    assert got.updated_at == 1_800_000_000.123
 
 
 def test_load_window_rates_and_p99_over_the_window() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from meridian_sim import fleet, profile, workloads
 from meridian_sim.fleet.sim import Fleet, _Agent
+from policies import group_routing
 from policies.model import NodeId, NodeView
 
 H100 = profile.load("h100-llama3-8b")
@@ -151,6 +152,24 @@ def test_oracle_reads_the_engines_caches_and_beats_random_on_hits() -> None:
     assert sim._cached_blocks(NodeId(node), view) == expected
     other = next(n.node_id for n in sim._nodes if n.node_id != node)
     assert sim._cached_blocks(other, view) == 0
+
+
+def test_the_groups_policy_runs_with_tables_the_region_s_agents_share() -> None:
+    """``groups`` in the fleet simulator (``policies.group_routing`` over ``LocalTables``): a
+    session's turns stay on one GPU, so its later turns hit what the first one cached, better
+    than random; the region's agent replicas share one table (an instant etcd sync)."""
+    requests = workloads.scale_to_rate(_sessions(seed=5, duration_s=60), rate_per_s=12.0)
+    grouped = _run(requests, nodes=8, policy="groups")
+    rand = _run(requests, nodes=8, policy="random")
+    assert grouped.summary["completed"] == len(requests)
+    assert float(grouped.summary["prefix_hit_rate"]) > float(rand.summary["prefix_hit_rate"]) + 0.1
+    sim = Fleet(H100, requests[:50], fleet.FleetConfig(nodes=4, policy="groups",
+                                                       agents_per_region=2))  # fmt: skip
+    sim.run()
+    first, second = (a.policy for a in sim._agents)
+    assert isinstance(first, group_routing.GroupPolicy)
+    assert isinstance(second, group_routing.GroupPolicy)
+    assert first.tables is second.tables and len(first.tables.weights) == 4
 
 
 def test_at_load_scales_to_the_fleet_capacity() -> None:

@@ -79,6 +79,15 @@ def test_agents_per_region_runs_replicas_and_refuses_zero(
     assert "meridian-sim: agents_per_region must be at least 1, got 0" in captured.err
 
 
+def test_the_groups_policy_is_one_of_the_choices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["fleet", "--trace", str(_trace(tmp_path)), "--nodes", "3", "--policy", "groups"]
+    assert cli.main([*argv, "--load", "0.5", "--capacity-rps", "2"]) == 0
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert printed["policy"] == "groups" and printed["completed"] == "24"
+
+
 def test_a_bad_trace_exits_2_naming_line_and_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,8 +15,10 @@ import openai
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from regional_agent.app import create_app
-from regional_agent.app_state import AGENT, Agent
+from regional_agent.app import AUTOSCALER, PUBLISHER, create_app
+from regional_agent.autoscaler import Autoscaler
+from regional_agent.edge import EDGE, Edge
+from regional_agent.publisher import Publisher
 from regional_agent.settings import Settings
 
 ADMIN_TOKEN = "test-admin-token"
@@ -36,8 +38,17 @@ class AgentHandle:
     app: web.Application
 
     @property
-    def agent(self) -> Agent:
-        return self.app[AGENT]
+    def edge(self) -> Edge:
+        """What the agent's handlers work with: pool, dispatcher, roster, ..."""
+        return self.app[EDGE]
+
+    @property
+    def publisher(self) -> Publisher | None:
+        return self.app.get(PUBLISHER)
+
+    @property
+    def autoscaler(self) -> Autoscaler | None:
+        return self.app.get(AUTOSCALER)
 
 
 AgentFactory = Callable[..., Awaitable[AgentHandle]]

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import meridian_etcd
 from tests.support.ports import free_port
 from tests.support.process import ServerProcess, find_binary, serve
 
@@ -211,3 +212,10 @@ def start_etcd_cluster(tmp_dir: Path, *, size: int = 3) -> Iterator[list[EtcdSer
         for member in members:
             member.process.stop()
             shutil.rmtree(member.data_dir, ignore_errors=True)
+
+
+def client(*urls: str, timeout_s: float = 3.0) -> meridian_etcd.Store:
+    """The etcd layer's client for ``urls`` (``meridian_etcd.Store``), as the shells build it."""
+    return meridian_etcd.Store(
+        meridian_etcd.ClientConfig(endpoints=list(urls), timeout_s=timeout_s)
+    )

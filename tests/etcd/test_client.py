@@ -1,0 +1,236 @@
+"""The etcd layer (``meridian_etcd``) against a real etcd: keys, transactions guarded by
+revisions or fenced, leases, watches, member failover, and how each failure is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+import meridian_etcd
+from meridian_etcd import Deleted, Entry, Snapshot
+from tests.support import EtcdServer
+from tests.support.etcd import client as etcd_client
+
+DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
+
+
+async def test_keys_round_trip_with_revisions(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        first = await store.put("/t/a", b"1")
+        second = await store.put("/t/a", b"2")
+        assert second > first
+        got = await store.get("/t/a")
+        assert got is not None
+        assert (got.value, got.mod_revision, got.version, got.lease) == (b"2", second, 2, 0)
+        assert got.create_revision == first
+        assert await store.get("/t/missing") is None
+        await store.put("/t/b", b"3")
+        snapshot = await store.get_prefix("/t/")
+        assert [e.key for e in snapshot.entries] == ["/t/a", "/t/b"]
+        assert snapshot.revision >= second
+        await store.delete("/t/a")
+        assert await store.get("/t/a") is None
+    finally:
+        await store.close()
+
+
+async def test_commit_with_expect_writes_only_at_the_expected_revisions(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        made = await store.commit(puts=[("/t/a", b"1")], expect={"/t/a": 0})  # must be absent
+        assert made is not None
+        assert await store.commit(puts=[("/t/a", b"2")], expect={"/t/a": 0}) is None
+        got = await store.get("/t/a")
+        assert got is not None and got.value == b"1"
+        again = await store.commit(puts=[("/t/a", b"3")], deletes=[], expect={"/t/a": made})
+        assert again is not None and again > made
+        with pytest.raises(ValueError, match="not both"):
+            fence = meridian_etcd.Fence(key="/t/l", value=b"x", create_revision=1)
+            await store.commit(puts={"/t/a": b"4"}, expect={"/t/a": again}, fence=fence)
+    finally:
+        await store.close()
+
+
+async def test_a_fenced_commit_lands_only_while_the_fence_key_is_the_one_held(
+    etcd: EtcdServer,
+) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        lease = await store.grant(ttl_s=10)
+        holder = await store.claim("/t/leader", b"me", lease=lease)
+        assert holder is not None and holder.lease == lease.id
+        fence = meridian_etcd.Fence(
+            key="/t/leader", value=holder.value, create_revision=holder.create_revision
+        )
+        await store.commit(puts={"/t/plan": b"v1"}, fence=fence)
+        # someone else is elected: the key is deleted and created again
+        await store.delete("/t/leader")
+        await store.put("/t/leader", b"other")
+        with pytest.raises(meridian_etcd.Fenced, match="fenced off"):
+            await store.commit(puts={"/t/plan": b"v2"}, deletes=["/t/x"], fence=fence)
+        got = await store.get("/t/plan")
+        assert got is not None and got.value == b"v1"
+        # a claim does not take a key that is held
+        again = await store.claim("/t/leader", b"me", lease=lease)
+        assert again is not None and again.value == b"other"
+    finally:
+        await store.close()
+
+
+async def test_leases_keep_keys_alive_and_a_lost_lease_says_so(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        lease = await store.grant(ttl_s=5)
+        assert lease.ttl_s == 5
+        await store.put("/t/alive", b"", lease=lease)
+        assert await store.keep_alive(lease) == 5
+        got = await store.get("/t/alive")
+        assert got is not None and got.lease == lease.id
+        await store.revoke(lease)
+        assert await store.get("/t/alive") is None
+        with pytest.raises(meridian_etcd.LeaseLost, match="no longer knows"):
+            await store.keep_alive(lease)
+        # a write under a lease etcd does not know: etcd's NOT_FOUND, by its message
+        with pytest.raises(meridian_etcd.LeaseLost, match="lease not found"):
+            await store.put("/t/alive", b"", lease=lease)
+    finally:
+        await store.close()
+
+
+async def test_a_request_etcd_refuses_is_refused_not_unavailable(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        with pytest.raises(meridian_etcd.Refused, match="key is not provided") as refused:
+            await store.put("", b"x")  # INVALID_ARGUMENT
+        assert not refused.value.retryable
+        await store.put("/t/still-fine", b"1")  # the client was not dropped for it
+        assert store.endpoint == etcd.url
+    finally:
+        await store.close()
+
+
+async def test_follow_reports_the_value_now_then_each_change(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    await store.put("/t/desired", b"a")
+    seen: list[bytes | None] = []
+    try:
+        async with contextlib.aclosing(store.follow("/t/desired")) as changes:
+            async for change in changes:
+                seen.append(change.value)
+                if len(seen) == 1:
+                    await store.put("/t/desired", b"b")
+                elif len(seen) == 2:
+                    await store.delete("/t/desired")
+                else:
+                    break
+        assert seen == [b"a", b"b", None]
+    finally:
+        await store.close()
+
+
+async def test_follow_prefix_gives_a_snapshot_then_puts_and_deletes(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    await store.put("/t/p/1", b"one")
+    items: list[Snapshot | Entry | Deleted] = []
+    try:
+        async with contextlib.aclosing(store.follow_prefix("/t/p/")) as changes:
+            async for item in changes:
+                items.append(item)
+                if len(items) == 1:
+                    await store.put("/t/p/2", b"two")
+                elif len(items) == 2:
+                    await store.delete("/t/p/1")
+                else:
+                    break
+        snapshot, put, deleted = items
+        assert isinstance(snapshot, Snapshot) and [e.value for e in snapshot.entries] == [b"one"]
+        assert isinstance(put, Entry) and (put.key, put.value) == ("/t/p/2", b"two")
+        assert isinstance(deleted, Deleted) and deleted.key == "/t/p/1"
+        assert deleted.mod_revision > put.mod_revision
+    finally:
+        await store.close()
+
+
+async def test_a_watch_whose_member_dies_ends_with_unavailable(fresh_etcd: EtcdServer) -> None:
+    store = etcd_client(fresh_etcd.url, timeout_s=1.0)
+    try:
+        with pytest.raises(meridian_etcd.Unavailable):
+            async with contextlib.aclosing(store.follow_prefix("/t/")) as changes:
+                async for _ in changes:
+                    fresh_etcd.process.kill()
+    finally:
+        await store.close()
+
+
+async def test_a_call_fails_over_to_a_live_member_and_names_them_all_when_none_is(
+    etcd: EtcdServer,
+) -> None:
+    store = etcd_client(DEAD, etcd.url, timeout_s=1)
+    try:
+        await store.put("/t/x", b"y")  # the dead member is tried, then the live one
+        got = await store.get("/t/x")
+        assert got is not None and got.value == b"y"
+        assert store.endpoint == etcd.url
+    finally:
+        await store.close()
+    nowhere = etcd_client(DEAD, "http://127.0.0.1:2", timeout_s=1)
+    try:
+        with pytest.raises(meridian_etcd.Unavailable, match="unreachable") as caught:
+            await nowhere.get("/t/x")
+        assert DEAD in caught.value.message and "127.0.0.1:2" in caught.value.message
+        assert caught.value.retryable
+        assert isinstance(caught.value.__cause__, BaseException)  # raised from the foreign one
+    finally:
+        await nowhere.close()
+
+
+async def test_a_call_cancelled_by_another_caller_dropping_the_channel_is_retried(
+    etcd: EtcdServer,
+) -> None:
+    """The controller's keep-alive and its window pass share one client: when one call fails
+    and drops the channel, gRPC cancels the other's call.  That must read as a failed call (and
+    be retried on the fresh channel), never as the caller's own cancellation, which ended the
+    election for good."""
+    store = etcd_client(etcd.url)
+    try:
+        await store.put("/t/a", b"1")
+        calls = [asyncio.create_task(store.get_prefix("/t/")) for _ in range(5)]
+        await asyncio.sleep(0)  # the calls are in flight on the channel ...
+        # ... which a failing call drops, as _translate does for an unavailable member
+        await store._drop(store._generation, reason="a concurrent call failed")
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, Snapshot) and len(r.entries) == 1 for r in results), results
+    finally:
+        await store.close()
+
+
+async def test_our_own_cancellation_propagates_as_it_is(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    try:
+        call = asyncio.create_task(store.get_prefix("/t/"))
+        await asyncio.sleep(0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await store.close()
+
+
+async def test_a_closed_client_refuses_calls(etcd: EtcdServer) -> None:
+    store = etcd_client(etcd.url)
+    await store.put("/t/a", b"1")
+    await store.close()
+    with pytest.raises(meridian_etcd.Unavailable, match="closed"):
+        await store.get("/t/a")
+
+
+def test_client_config_rejects_what_it_cannot_dial() -> None:
+    with pytest.raises(ValueError, match="at least one etcd endpoint"):
+        meridian_etcd.ClientConfig(endpoints=[])
+    with pytest.raises(ValueError, match="TLS to etcd is not supported yet"):
+        meridian_etcd.ClientConfig(endpoints=["https://10.0.0.1:2379"])
+    with pytest.raises(ValueError, match="timeout_s"):
+        meridian_etcd.ClientConfig(endpoints=["http://10.0.0.1:2379"], timeout_s=0)
