@@ -7,8 +7,8 @@ the others poll until the key disappears (its holder stopped keeping its lease a
 The leader keeps its lease alive every ``ttl/3``.  If it cannot for longer than the TTL — etcd
 unreachable, or the lease gone — it stops its leader work and campaigns again.  Its writes are
 fenced: each carries the leader key's create revision and value as it was at election
-(``store.Fence``), so if another replica has been elected in the meantime the write is refused
-by etcd itself, even before the old leader notices.
+(``meridian_etcd.Fence``), so if another replica has been elected in the meantime the write is
+refused by etcd itself, even before the old leader notices.
 """
 
 from __future__ import annotations
@@ -19,27 +19,26 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from controlplane.errors import NotLeader, StoreUnavailable
-from controlplane.store import Lease, Store
-from controlplane.store.etcd import Fence
+import meridian_etcd as etcd
 from meridian_service.clock import Clock
 from meridian_wire import keys
 
 log = logging.getLogger(__name__)
 
-LeaderWork = Callable[[Fence], Coroutine[Any, Any, None]]
+LeaderWork = Callable[[etcd.Fence], Coroutine[Any, Any, None]]
 
 
 class Election:
-    def __init__(self, *, store: Store, identity: str, ttl_s: int, clock: Clock) -> None:
+    def __init__(self, *, store: etcd.Store, identity: str, ttl_s: int, clock: Clock) -> None:
         if ttl_s < 2:
             raise ValueError("election.lease_ttl_s must be at least 2 seconds")
         self._store = store
         self.identity = identity
         self._ttl_s = ttl_s
         self._clock = clock
-        self.fence: Fence | None = None
+        self.fence: etcd.Fence | None = None
         self.leader: str | None = None  # who leads, as last seen
+        self.etcd_ok: bool | None = None  # whether etcd answered the last call (None: not yet)
 
     @property
     def leading(self) -> bool:
@@ -50,9 +49,8 @@ class Election:
         while True:
             try:
                 await self._campaign(work)
-            except StoreUnavailable as exc:
-                if self.leader is not None:
-                    log.warning("election: etcd unavailable, campaigning again error=%s", exc)
+            except etcd.EtcdError as exc:
+                self._etcd_failed(exc)
                 self.leader = None
                 await asyncio.sleep(self._ttl_s / 3)
             except Exception:  # a bug must not end the campaign: this replica would never lead
@@ -60,25 +58,44 @@ class Election:
                 self.leader = None
                 await asyncio.sleep(self._ttl_s / 3)
 
-    async def _campaign(self, work: LeaderWork) -> None:
-        lease = await self._store.grant(self._ttl_s)
-        try:
-            holder = await self._store.claim(keys.LEADER, self.identity.encode(), lease)
-        except NotLeader:
+    def _etcd_answered(self) -> None:
+        if self.etcd_ok is False:
+            log.warning("election: etcd reachable again etcd=%s", self._store.endpoint)
+        self.etcd_ok = True
+
+    def _etcd_failed(self, exc: etcd.EtcdError) -> None:
+        """Logged once per outage, as a WARNING naming the endpoints (a wrong URL at start
+        reads here)."""
+        if exc.stale:
             return
-        if holder.lease != lease.lease_id:
+        if self.etcd_ok is not False:
+            log.warning(
+                "election: etcd unreachable endpoints=%s error=%s: campaigning again every %g s",
+                ",".join(self._store.endpoints),
+                exc.message,
+                self._ttl_s / 3,
+            )
+        self.etcd_ok = False
+
+    async def _campaign(self, work: LeaderWork) -> None:
+        lease = await self._store.grant(ttl_s=self._ttl_s)
+        holder = await self._store.claim(keys.LEADER, self.identity.encode(), lease=lease)
+        self._etcd_answered()
+        if holder is None:  # expired between the claim and the read: the next round tries again
+            return
+        if holder.lease != lease.id:
             if self.leader != holder.value.decode():
                 self.leader = holder.value.decode()
                 log.info("election: following leader=%s me=%s", self.leader, self.identity)
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(etcd.EtcdError):
                 await self._store.revoke(lease)
             await asyncio.sleep(self._ttl_s / 3)
             return
-        self.fence = Fence(
+        self.fence = etcd.Fence(
             key=keys.LEADER, value=holder.value, create_revision=holder.create_revision
         )
         self.leader = self.identity
-        log.warning(
+        log.info(
             "election: leading me=%s revision=%d ttl_s=%d",
             self.identity, holder.create_revision, self._ttl_s,
         )  # fmt: skip
@@ -90,23 +107,25 @@ class Election:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            log.warning("election: stepped down me=%s", self.identity)
+            log.info("election: stepped down me=%s", self.identity)
 
-    async def _hold(self, lease: Lease, task: asyncio.Task[None]) -> None:
+    async def _hold(self, lease: etcd.Lease, task: asyncio.Task[None]) -> None:
         """Keep the lease alive while the leader work runs; return when leadership is lost."""
         last_ok = self._clock.now()
         while not task.done():
             await asyncio.sleep(self._ttl_s / 3)
             try:
-                ttl = await self._store.keep_alive(lease)
-            except StoreUnavailable as exc:
+                await self._store.keep_alive(lease)
+            except etcd.LeaseLost:
+                log.warning("election: the lease expired")
+                return
+            except etcd.EtcdError as exc:
+                self._etcd_failed(exc)
                 if self._clock.now() - last_ok >= self._ttl_s:
                     log.warning("election: lease not renewed for a whole TTL error=%s", exc)
                     return
                 continue
-            if ttl <= 0:
-                log.warning("election: the lease expired")
-                return
+            self._etcd_answered()
             last_ok = self._clock.now()
         if task.cancelled():  # not by us: something inside the work was cancelled
             log.error("leader work ended cancelled; campaigning again")
@@ -118,5 +137,5 @@ class Election:
         fence = self.fence
         if fence is None:
             return
-        with contextlib.suppress(StoreUnavailable, NotLeader):
-            await self._store.commit({}, deletes=[keys.LEADER], fence=fence)
+        with contextlib.suppress(etcd.EtcdError):
+            await self._store.commit(deletes=[keys.LEADER], fence=fence)

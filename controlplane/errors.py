@@ -3,11 +3,12 @@
 ::
 
     ControllerError
-    ├── StoreUnavailable     etcd cannot be reached (every endpoint tried); retry later
-    ├── NotLeader            a fenced write was refused: this replica no longer leads
     └── BadValue             a value in etcd does not validate; carries its key
+    dns.errors.DnsError      the DNS server refused or did not answer (``dns/errors.py``)
 
-Foreign exceptions (aetcd's, grpc's) are translated in ``store/`` only.
+etcd's failures are the etcd layer's own (``meridian_etcd.errors``): ``Unavailable`` (fail
+static, retry later), ``Fenced`` (a fenced write was refused: this replica no longer leads),
+``Refused`` and ``LeaseLost``.  Foreign exceptions are translated there and in ``dns/`` only.
 """
 
 from __future__ import annotations
@@ -15,14 +16,6 @@ from __future__ import annotations
 
 class ControllerError(Exception):
     retryable = False
-
-
-class StoreUnavailable(ControllerError):
-    retryable = True
-
-
-class NotLeader(ControllerError):
-    """The leader key is no longer ours: the write did not land."""
 
 
 class BadValue(ControllerError):

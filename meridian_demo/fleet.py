@@ -58,7 +58,7 @@ import dns.query
 import dns.rdatatype
 
 from controlplane.dns import bindconf
-from controlplane.dns.settings import DnsSettings
+from controlplane.settings.dns import DnsSettings
 
 ADMIN_TOKEN = "demo-admin-token"
 OPERATOR_TOKEN = "demo-operator-token"  # meridianctl: failover, failback
@@ -375,37 +375,38 @@ async def _dig(fleet: Fleet, source: str) -> str:
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+    headers = {"Authorization": f"Bearer {VIEWER_TOKEN}"}  # the admin API's reads: a viewer
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=3)) as r:
         return await r.json()
 
 
 async def _show(
     fleet: Fleet, session: aiohttp.ClientSession, seen: set[str], t0: float
 ) -> dict[str, Any]:
+    """One window as the controller's read port shows it (the admin API's reads)."""
     live = [c for c in fleet.controllers.values() if c.proc.poll() is None]
     if not live:
         return {}
     base = live[0].url
-    regions = (await _get(session, f"{base}/v1/regions"))["regions"]
-    plan = await _get(session, f"{base}/v1/plan")
-    leader = (await _get(session, f"{base}/v1/leader"))["leader"]
+    listing = await _get(session, f"{base}/v1/regions")
+    rows = {row["region"]: row for row in listing["regions"]}
+    leader = (await _get(session, f"{base}/v1/health"))["leader"]
     events = (await _get(session, f"{base}/v1/events"))["events"]
-    print(f"[{time.monotonic() - t0:5.1f}s] window {plan.get('window', 0):>3}  leader {leader}")
+    print(f"[{time.monotonic() - t0:5.1f}s] window {listing.get('window', 0):>3}  leader {leader}")
     for region in REGIONS:
-        r = regions.get(region) or {}
-        h = r.get("health") or {}
-        d = r.get("desired") or {}
-        s = r.get("status") or {}
+        r = rows.get(region) or {}
         print(
-            f"   {region:9} {h.get('state', '-'):>10}  strikes {h.get('strikes', 0)}  "
-            f"weight {h.get('weight', 0) * 100:5.1f} %  capacity {s.get('capacity', 0):4.1f}  "
-            f"floor {d.get('capacity_floor', 0):4.1f}  served {fleet.ok.get(region, 0):>4}"
+            f"   {region:9} {r.get('state') or '-':>10}  strikes {r.get('strikes', 0)}  "
+            f"weight {(r.get('weight') or 0) * 100:5.1f} %  "
+            f"capacity {r.get('capacity') or 0:4.1f}  "
+            f"floor {r.get('floor') or 0:4.1f}  served {fleet.ok.get(region, 0):>4}"
         )
     answers = "  ".join(
         f"{geo}: " + ", ".join(f"{r} {w * 100:.0f}%" for r, w in sorted(shares.items()))
-        for geo, shares in sorted(plan.get("serving", {}).items())
+        for geo, shares in sorted(listing.get("serving", {}).items())
     )
-    print(f"   DNS answers  {answers}" + (f"   ALERT {plan['alert']}" if plan.get("alert") else ""))
+    alert = listing.get("alert")
+    print(f"   DNS answers  {answers}" + (f"   ALERT {alert}" if alert else ""))
     if fleet.dns is not None:
         for _, geo, source in DNS_VIEWS:
             print(f"   dig -b {source} {API_NAME:22} ({geo})  {await _dig(fleet, source)}")
@@ -417,7 +418,7 @@ async def _show(
                 print(
                     f"   event {event['kind']:9} {event.get('region') or '-':9} {event['reason']}"
                 )
-    return {"regions": regions, "plan": plan, "leader": leader}
+    return {"regions": rows, "leader": leader}
 
 
 async def _ctl(fleet: Fleet, token: str, *args: str) -> int:
@@ -467,8 +468,8 @@ async def _run(fleet: Fleet) -> int:
         state: dict[str, Any] = {}
         for _ in range(12):
             state = await windows(1)
-            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
-            if health.get("state") == "failed":
+            row = state.get("regions", {}).get("eu-west") or {}
+            if row.get("state") == "failed":
                 break
         print("\n== 3. the leading controller dies (SIGKILL)\n")
         leader = state.get("leader")
@@ -479,8 +480,8 @@ async def _run(fleet: Fleet) -> int:
         fleet.start_agent("eu-west")
         for _ in range(15):
             state = await windows(1)
-            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
-            if health.get("state") == "healthy" and health.get("weight") == 1.0:
+            row = state.get("regions", {}).get("eu-west") or {}
+            if row.get("state") == "healthy" and row.get("weight") == 1.0:
                 break
         print("\n== 5. an operator takes over with meridianctl (the admin API, tokens, audit)\n")
         await _ctl(fleet, VIEWER_TOKEN, "status")
@@ -491,12 +492,15 @@ async def _run(fleet: Fleet) -> int:
         await _ctl(fleet, OPERATOR_TOKEN, "failover", "--from", "eu-west", "--reason", why,
                    "--yes")  # fmt: skip
         await windows(3)
-        await _ctl(fleet, VIEWER_TOKEN, "failback", "eu-west", "--reason", "a viewer tries")
-        await _ctl(fleet, OPERATOR_TOKEN, "failback", "eu-west", "--reason", "demo: work done")
+        await _ctl(
+            fleet, VIEWER_TOKEN, "failback", "eu-west", "--reason", "a viewer tries", "--yes"
+        )
+        await _ctl(fleet, OPERATOR_TOKEN, "failback", "eu-west", "--reason", "demo: work done",
+                   "--yes")  # fmt: skip
         for _ in range(15):
             state = await windows(1)
-            health = (state.get("regions", {}).get("eu-west") or {}).get("health") or {}
-            if health.get("state") == "healthy" and health.get("weight") == 1.0:
+            row = state.get("regions", {}).get("eu-west") or {}
+            if row.get("state") == "healthy" and row.get("weight") == 1.0:
                 break
         await _ctl(fleet, OPERATOR_TOKEN, "audit", "--limit", "3")
     stop.set()

@@ -1,4 +1,4 @@
-"""Keys under ``/meridian/v1/`` (../shared/DESIGN.md, "etcd keyspace").
+"""Keys under ``/meridian/v1/`` (docs/architecture.md, "etcd keyspace").
 
 =============================================  ==========  ======================================
 key                                            writer      value

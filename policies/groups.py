@@ -1,6 +1,6 @@
 """Hierarchical routing tables: hash buckets of prefixes and sessions → GPU groups, as ranges.
 
-Per-GPU state never goes to etcd (../shared/DESIGN.md, "etcd keyspace").  What agents share
+Per-GPU state never goes to etcd (docs/architecture.md, "etcd keyspace").  What agents share
 through ``routing/<r>/groups/<key>`` is a coarse table: which *group* of GPUs (an 8-GPU server,
 an NVLink domain, a rack) serves which *bucket* of requests.  Inside a group, the agent that
 holds the request picks the GPU with its own policy and its own, unshared, per-GPU knowledge.

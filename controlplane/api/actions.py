@@ -28,6 +28,8 @@ from typing import Any
 
 import pydantic
 
+import meridian_etcd as etcd
+from controlplane import failover_policy
 from controlplane.api import keys as api_keys
 from controlplane.api.auth import Caller
 from controlplane.api.models import (
@@ -37,17 +39,13 @@ from controlplane.api.models import (
     IdempotencyRecord,
     PoliciesUpdate,
     PoliciesView,
-    PolicyValues,
     RegionChange,
-    StoredPolicies,
 )
 from controlplane.api.problems import ApiProblem, Conflict, Invalid, NotFound, Unavailable
 from controlplane.election import Election
 from controlplane.errors import ControllerError
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
-from controlplane.store.etcd import Fence
 from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import RegionOverride
@@ -81,11 +79,11 @@ class Reply:
 @dataclass(slots=True, kw_only=True)
 class Leader:
     settings: ControllerSettings
-    store: Store
+    store: etcd.Store
     election: Election
     clock: Clock
 
-    def fence(self) -> Fence:
+    def fence(self) -> etcd.Fence:
         fence = self.election.fence
         if fence is None:
             raise Unavailable(
@@ -135,7 +133,7 @@ def _record(leader: Leader, req: Request, reply: Reply) -> dict[str, bytes]:
 def _audit(
     leader: Leader,
     req: Request,
-    fence: Fence,
+    fence: etcd.Fence,
     *,
     result: str,
     status: int,
@@ -166,24 +164,24 @@ def _audit(
     return {keys.audit(int(now * 1000), entry_id): entry.model_dump_json().encode()}
 
 
-async def _prune(leader: Leader, fence: Fence) -> None:
+async def _prune(leader: Leader, fence: etcd.Fence) -> None:
     deletes: list[str] = []
-    audit = sorted(await leader.store.get_prefix(keys.AUDIT), key=lambda e: e.key)
+    audit = sorted((await leader.store.get_prefix(keys.AUDIT)).entries, key=lambda e: e.key)
     keep = leader.settings.api.audit_retention
     deletes += [e.key for e in audit[: max(0, len(audit) - keep)]]
     horizon = leader.clock.now() - leader.settings.api.idempotency_ttl_s
-    for entry in await leader.store.get_prefix(api_keys.IDEMPOTENCY):
+    for entry in (await leader.store.get_prefix(api_keys.IDEMPOTENCY)).entries:
         try:
             if IdempotencyRecord.model_validate_json(entry.value).at < horizon:
                 deletes.append(entry.key)
         except pydantic.ValidationError:
             deletes.append(entry.key)
     if deletes:
-        await leader.store.commit({}, deletes=deletes, fence=fence)
+        await leader.store.commit(deletes=deletes, fence=fence)
 
 
 async def _run(
-    leader: Leader, req: Request, work: Callable[[Fence, str], Awaitable[Reply]]
+    leader: Leader, req: Request, work: Callable[[etcd.Fence, str], Awaitable[Reply]]
 ) -> Reply:
     """Replay, or do ``work`` under the pass lock; audit a refusal (and keep its answer)."""
     fence = leader.fence()
@@ -194,7 +192,7 @@ async def _run(
         audit_id = uuid.uuid4().hex[:12]
         try:
             reply = await work(fence, audit_id)
-        except ControllerError as exc:  # etcd unavailable, leadership lost: a 503 at the edge
+        except (ControllerError, etcd.EtcdError) as exc:  # etcd unavailable, fenced: a 503
             await _audit_error(leader, req, fence, status=503, detail=str(exc), entry_id=audit_id)
             raise
         except ApiProblem as problem:
@@ -209,22 +207,22 @@ async def _run(
                 detail=problem.detail, entry_id=audit_id,
             )  # fmt: skip
             refused = Reply(status=problem.status, body=problem.body().model_dump())
-            await leader.store.commit({**audit, **_record(leader, req, refused)}, fence=fence)
+            await leader.store.commit(puts={**audit, **_record(leader, req, refused)}, fence=fence)
             raise
     await _prune(leader, fence)
     return reply
 
 
 async def _audit_error(
-    leader: Leader, req: Request, fence: Fence, *, status: int, detail: str, entry_id: str
+    leader: Leader, req: Request, fence: etcd.Fence, *, status: int, detail: str, entry_id: str
 ) -> None:
     """Audit an action that failed with a 5xx, if etcd takes it; never raises (the caller
     re-raises the original error). No idempotency record: a retry with the key runs again."""
     audit = _audit(leader, req, fence, result="error", status=status, detail=detail,
                    entry_id=entry_id)  # fmt: skip
     try:
-        await leader.store.commit(audit, fence=fence)
-    except ControllerError as exc:
+        await leader.store.commit(puts=audit, fence=fence)
+    except (ControllerError, etcd.EtcdError) as exc:
         log.warning(
             "api: could not audit a failed action=%s region=%s who=%s: %s",
             req.action, req.region, req.caller.name, exc,
@@ -363,7 +361,7 @@ def _result(
 
 
 async def region_action(leader: Leader, req: Request) -> Reply:
-    async def work(fence: Fence, audit_id: str) -> Reply:
+    async def work(fence: etcd.Fence, audit_id: str) -> Reply:
         me = fence.value.decode()
         region = req.region or ""
         before = await windows.prepare(
@@ -396,7 +394,7 @@ async def region_action(leader: Leader, req: Request) -> Reply:
             detail=detail or "no change in the plan", entry_id=audit_id,
         )  # fmt: skip
         if req.dry_run:
-            await leader.store.commit(audit, fence=fence)
+            await leader.store.commit(puts=audit, fence=fence)
             return reply
         puts = {**audit, **_record(leader, req, reply)}
         deletes: tuple[str, ...] = ()
@@ -445,16 +443,18 @@ def _check_safe(req: Request, before: windows.Prepared, after: windows.Prepared)
 # -- policies ---------------------------------------------------------------------------------
 
 
-async def current_policies(settings: ControllerSettings, store: Store) -> PoliciesView:
-    stored = await windows.stored_policies(store)
+async def current_policies(settings: ControllerSettings, store: etcd.Store) -> PoliciesView:
+    stored = await failover_policy.stored(store)
     if stored is None:
-        return PoliciesView(values=windows.policy_values(settings), source="settings")
+        return PoliciesView(values=failover_policy.configured(settings), source="settings")
     return PoliciesView(
         values=stored.values, source="etcd", reason=stored.reason, by=stored.by, at=stored.at
     )
 
 
-def merge(values: PolicyValues, update: PoliciesUpdate) -> PolicyValues:
+def merge(
+    values: failover_policy.PolicyValues, update: PoliciesUpdate
+) -> failover_policy.PolicyValues:
     changed = update.model_dump(exclude_none=True, exclude={"reason", "ttft_check"})
     merged = values.model_dump()
     merged.update(changed)
@@ -463,8 +463,8 @@ def merge(values: PolicyValues, update: PoliciesUpdate) -> PolicyValues:
     elif update.ttft_check is True and merged["ttft_p99_slo_s"] is None:
         merged["ttft_p99_slo_s"] = 5.0
     try:
-        out = PolicyValues.model_validate(merged)
-        windows.failover_config(out)
+        out = failover_policy.PolicyValues.model_validate(merged)
+        failover_policy.config_of(out)
     except (pydantic.ValidationError, ValueError) as exc:
         raise Invalid(
             f"these policies are not valid: {_plain(exc)}; nothing was changed",
@@ -480,11 +480,13 @@ def _plain(exc: Exception) -> str:
 
 
 async def set_policies(leader: Leader, req: Request, update: PoliciesUpdate) -> Reply:
-    async def work(fence: Fence, audit_id: str) -> Reply:
+    async def work(fence: etcd.Fence, audit_id: str) -> Reply:
         now = leader.clock.now()
         view = await current_policies(leader.settings, leader.store)
         values = merge(view.values, update)
-        stored = StoredPolicies(values=values, reason=req.reason, by=req.caller.name, at=now)
+        stored = failover_policy.StoredPolicies(
+            values=values, reason=req.reason, by=req.caller.name, at=now
+        )
         out = PoliciesView(
             values=values, source="etcd", reason=req.reason, by=req.caller.name, at=now
         )
@@ -497,11 +499,11 @@ async def set_policies(leader: Leader, req: Request, update: PoliciesUpdate) -> 
             detail=verb + (json.dumps(changed, sort_keys=True) if changed else "nothing new"),
         )  # fmt: skip
         if req.dry_run:  # answer the values it would store; store nothing but the audit
-            await leader.store.commit(audit, fence=fence)
+            await leader.store.commit(puts=audit, fence=fence)
             return reply
-        puts = {api_keys.POLICIES: stored.model_dump_json().encode(), **audit}
+        puts = {failover_policy.KEY: stored.model_dump_json().encode(), **audit}
         puts.update(_record(leader, req, reply))
-        await leader.store.commit(puts, fence=fence)
+        await leader.store.commit(puts=puts, fence=fence)
         return reply
 
     return await _run(leader, req, work)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from controlplane.api.problems import Forbidden, Unauthenticated
-from controlplane.api.settings import ROLES, Role, TokenEntry
+from controlplane.settings.api import ROLES, Role, TokenEntry
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,13 +4,13 @@
 =============================  ==========  ====================================================
 key                            writer      value
 =============================  ==========  ====================================================
-controller/policies            admin API   ``StoredPolicies``: failover policy set by an admin,
-                                           applied by the leader from its next window
 controller/admin               leader      ``AdminEndpoint``: where to forward writes
 idempotency/<hash>             leader      ``IdempotencyRecord``: the answer to one key
 =============================  ==========  ====================================================
 
-Only the controller reads them, so they live here rather than in ``meridian_wire``.
+Only the controller reads them, so they live here rather than in ``meridian_wire``.  The failover
+policy an admin sets, ``controller/policies``, is ``controlplane.failover_policy.KEY``: the window
+loop reads it too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Final
 
 from meridian_wire.keys import PREFIX
 
-POLICIES: Final = PREFIX + "controller/policies"
 ADMIN: Final = PREFIX + "controller/admin"
 IDEMPOTENCY: Final = PREFIX + "idempotency/"
 

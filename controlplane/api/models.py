@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.failover_policy import PolicyValues
 from meridian_wire.models import DnsApplied
 
 Action = Literal["drain", "undrain", "failover", "failback", "policies"]
@@ -34,32 +35,6 @@ class Problem(_Out):
 
 
 # -- policies -----------------------------------------------------------------------------------
-
-
-class PolicyValues(_Out):
-    """The failover policy's knobs in force (the controller's settings, overridden by PUT)."""
-
-    window_s: float = Field(gt=0, description="length of a health window, seconds")
-    strikes: int = Field(ge=1, description="consecutive failed windows before failed")
-    recovery_windows: int = Field(ge=1, description="good windows before the ramp")
-    ramp: list[float] = Field(min_length=1, description="weight per good window while recovering")
-    min_hold_s: float = Field(ge=0, description="least time in failed, seconds")
-    status_stale_s: float = Field(gt=0, description="status older than this fails")
-    min_healthy_fraction: float = Field(ge=0, le=1, description="healthy node share needed")
-    max_error_rate: float = Field(ge=0, le=1, description="a window fails above this")
-    ttft_p99_slo_s: float | None = Field(
-        gt=0, description="a window fails above this p99 TTFT; null: not checked"
-    )
-    prewarm_fraction: float = Field(ge=0, le=1, description="backup floor share, 0..1")
-
-
-class StoredPolicies(_Out):
-    """``controller/policies``: what an admin set, applied by the leader from its next window."""
-
-    values: PolicyValues
-    reason: str
-    by: str
-    at: float
 
 
 class PoliciesView(_Out):
@@ -167,6 +142,15 @@ class RegionDetail(_Out):
     health: dict[str, Any] | None
     desired: dict[str, Any] | None
     override: dict[str, Any] | None
+    agents: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="each agent replica of the region: alive, status readable, updated at",
+    )
+    tables: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="its group routing tables per kind: groups and their buckets, ranges "
+        "stored, staleness (routing.policy = groups)",
+    )
 
 
 class DnsView(_Out):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 from aiohttp import web
@@ -53,14 +53,12 @@ from controlplane.api.models import (
     RegionRow,
 )
 from controlplane.api.problems import BadRequest, NotFound
-from controlplane.api.settings import Role
 from controlplane.dns import bindconf
 from controlplane.reconcile import fleet
+from controlplane.replica import Replica
+from controlplane.settings.api import Role
 from meridian_wire import keys
 from meridian_wire.models import REGION_ID, DnsApplied, Event
-
-if TYPE_CHECKING:
-    from controlplane.api.server import Replica
 
 Result = pydantic.BaseModel | actions.Reply | web.StreamResponse
 
@@ -206,7 +204,7 @@ async def get_regions(call: Call) -> RegionList:
 
 async def get_region(call: Call) -> RegionDetail:
     region = _region(call)
-    view = await fleet.read(call.replica.store)
+    view = await fleet.read(call.replica.store, tables=True)
     rows = {r.region: r for r in _rows(view, _configured(call))}
     if region not in rows:
         raise NotFound(
@@ -224,6 +222,8 @@ async def get_region(call: Call) -> RegionDetail:
         health=dump(record.health),
         desired=dump(record.desired),
         override=dump(record.override),
+        agents=fleet.describe_agents(record),
+        tables=fleet.describe_tables(record, now=call.replica.clock.now()),
     )
 
 
@@ -246,7 +246,9 @@ async def get_events(call: Call) -> EventList:
     limit = _int(call, "limit", 100, 1, 1000)
     after = call.request.query.get("after")
     region = call.request.query.get("region")
-    entries = sorted(await call.replica.store.get_prefix(keys.EVENTS), key=lambda e: e.key)
+    entries = sorted(
+        (await call.replica.store.get_prefix(keys.EVENTS)).entries, key=lambda e: e.key
+    )
     if after:
         entries = [e for e in entries if e.key.removeprefix(keys.EVENTS) > after]
     out: list[tuple[str, dict[str, Any]]] = []
@@ -264,7 +266,7 @@ async def get_events(call: Call) -> EventList:
 
 async def get_audit(call: Call) -> AuditList:
     limit = _int(call, "limit", 100, 1, 1000)
-    entries = sorted(await call.replica.store.get_prefix(keys.AUDIT), key=lambda e: e.key)
+    entries = sorted((await call.replica.store.get_prefix(keys.AUDIT)).entries, key=lambda e: e.key)
     out = []
     for entry in entries:
         with contextlib.suppress(pydantic.ValidationError):

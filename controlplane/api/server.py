@@ -7,7 +7,8 @@ its ``cleanup_ctx``: the admin site starts and stops with the replica, on ``api.
 **Any replica answers; writes go through the leader.**  Reads come from etcd on the replica
 that receives them.  A write (an action, ``PUT /v1/policies``) on a follower is authenticated
 there, then forwarded as it is (token, body, ``Idempotency-Key``) to the leader's admin URL,
-which the leader publishes under ``controller/admin`` (fenced).  The leader runs the action
+which the leader publishes under ``controller/admin`` (fenced): ``api.forward``, the
+controller's only HTTP client.  The leader runs the action
 and writes it in one transaction fenced by its leader key, so a deposed leader cannot write.
 A forwarded request that reaches a replica that no longer leads is answered 503 (retry).
 """
@@ -22,13 +23,13 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import aiohttp
 import pydantic
 from aiohttp import web
 
-from controlplane.api import actions, auth, routes
+import meridian_etcd as etcd
+from controlplane.api import actions, auth, forward, routes
 from controlplane.api import keys as api_keys
 from controlplane.api.models import AdminEndpoint, Problem
 from controlplane.api.problems import (
@@ -39,36 +40,18 @@ from controlplane.api.problems import (
     Unavailable,
     response,
 )
-from controlplane.election import Election
-from controlplane.errors import ControllerError, NotLeader, StoreUnavailable
-from controlplane.reconcile import windows
+from controlplane.errors import ControllerError
+from controlplane.replica import Replica
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
-from meridian_service.clock import Clock
-from meridian_wire import keys
 
 log = logging.getLogger(__name__)
-
-FORWARDED = "X-Meridian-Forwarded-By"
-LEADER_HEADER = "X-Meridian-Leader"
-
-
-class Replica(Protocol):
-    """What the admin API needs of the controller replica that serves it."""
-
-    settings: ControllerSettings
-    clock: Clock
-    store: Store
-    election: Election
-    etcd_ok: bool
-    last_pass: windows.PassResult | None
 
 
 @dataclass(slots=True, kw_only=True)
 class AdminApi:
     replica: Replica
     url: str | None = None  # set once the site is bound
-    session: aiohttp.ClientSession | None = None
+    forwarder: forward.Forwarder | None = None  # set once the site is bound
     published: object = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -88,12 +71,40 @@ ADMIN_API = web.AppKey("admin_api", AdminApi)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+READ_ONLY = web.AppKey("read_only", bool)
+MAX_BODY_BYTES = 64 * 1024
+
+
 def create_admin_app(api: AdminApi) -> web.Application:
-    app = web.Application(middlewares=[_problems], client_max_size=64 * 1024)
+    app = web.Application(middlewares=[problems], client_max_size=MAX_BODY_BYTES)
     app[ADMIN_API] = api
-    for route in routes.ROUTES:
-        app.router.add_route(route.method, route.path, _endpoint(route))
+    add_routes(app)
     return app
+
+
+def add_routes(app: web.Application, *, read_only: bool = False) -> None:
+    """Mount :data:`routes.ROUTES` on ``app`` (which holds ``ADMIN_API`` and the :func:`problems`
+    middleware): every route, or with ``read_only`` only the GETs, with the same handlers, roles
+    and shapes, so each resource has one handler wherever it is served.  A write sent to a
+    read-only app is answered 405 with a pointer to the admin port."""
+    app[READ_ONLY] = read_only
+    for route in routes.ROUTES:
+        writable = read_only and route.method != "GET"
+        handler = _read_only(route) if writable else _endpoint(route)
+        app.router.add_route(route.method, route.path, handler)
+    if read_only:  # the load balancers' and supervisors' liveness path: /v1/health as it is
+        health = next(r for r in routes.ROUTES if r.path == "/v1/health")
+        app.router.add_get("/health", _endpoint(health))
+
+
+def _read_only(route: routes.Route) -> Handler:
+    """A write route on the read port: 405, pointing at the admin port (see :func:`problems`)."""
+    reads = [r.method for r in routes.ROUTES if r.path == route.path and r.method == "GET"]
+
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPMethodNotAllowed(request.method, allowed_methods=reads)
+
+    return refuse
 
 
 def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -113,10 +124,7 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
         port = int(sockets[0].getsockname()[1]) if sockets else s.port
         scheme = "https" if tls is not None else "http"
         api.url = s.advertise_url or f"{scheme}://{s.host}:{port}"
-        api.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=s.forward_timeout_s),
-            connector=aiohttp.TCPConnector(ssl=_client_tls(api.settings)),
-        )
+        api.forwarder = forward.Forwarder(replica=api.replica, settings=api.settings)
         task = asyncio.create_task(_publish(api), name="meridian-admin-publish")
         task.add_done_callback(_crashed)
         api.tasks.append(task)
@@ -128,7 +136,7 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await api.session.close()
+            await api.forwarder.close()
             await runner.cleanup()
 
     return ctx
@@ -148,13 +156,6 @@ def _server_tls(settings: ControllerSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-def _client_tls(settings: ControllerSettings) -> ssl.SSLContext | bool:
-    tls = settings.api.tls
-    if tls is None:
-        return True
-    return ssl.create_default_context(cafile=str(tls.ca_file or tls.cert_file))
-
-
 async def _publish(api: AdminApi) -> None:
     """While leading, keep ``controller/admin`` pointing here (fenced)."""
     replica = api.replica
@@ -166,10 +167,10 @@ async def _publish(api: AdminApi) -> None:
             value = AdminEndpoint(id=replica.election.identity, url=api.url)
             try:
                 await replica.store.commit(
-                    {api_keys.ADMIN: value.model_dump_json().encode()}, fence=fence
+                    puts={api_keys.ADMIN: value.model_dump_json().encode()}, fence=fence
                 )
                 api.published = fence
-            except (StoreUnavailable, NotLeader) as exc:
+            except (etcd.Unavailable, etcd.Fenced) as exc:
                 log.info("admin endpoint not published yet error=%s", exc)
         await asyncio.sleep(0.2)
 
@@ -178,22 +179,23 @@ async def _publish(api: AdminApi) -> None:
 
 
 @web.middleware
-async def _problems(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every refusal and failure as problem+json; never a stack trace to the client."""
     try:
         return await handler(request)
     except ApiProblem as refused:
         return refused.response()
-    except StoreUnavailable as exc:
+    except etcd.Unavailable as exc:
         return Unavailable(
             f"etcd unavailable: {exc}; nothing was changed",
             fix="retry later; see the runbook docs/runbooks/etcd-degraded.md",
         ).response()
-    except NotLeader:
+    except etcd.Fenced:
         return Unavailable(
             "leadership changed during the request; nothing was changed",
             fix="retry: the request goes to the new leader",
         ).response()
-    except ControllerError as exc:
+    except (ControllerError, etcd.EtcdError) as exc:
         return Unavailable(f"{exc}; nothing was changed", fix="retry later").response()
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -203,6 +205,13 @@ async def _problems(request: web.Request, handler: Handler) -> web.StreamRespons
             problem = NotFound(
                 f"no such path: {request.path}", fix="see GET /v1/openapi.json for the paths"
             )
+        elif exc.status == 405 and request.app.get(READ_ONLY, False):
+            problem = BadRequest(
+                f"{request.method} is not allowed on {request.path} here: this is the "
+                "controller's read port (server.port), which serves the admin API's reads only",
+                fix="send writes to the admin port (api.port, meridian-controller --admin-port)",
+            )
+            problem.status = 405
         elif exc.status == 405:
             problem = BadRequest(
                 f"{request.method} is not allowed on {request.path}",
@@ -239,7 +248,9 @@ def _endpoint(route: routes.Route) -> Handler:
             auth.require(caller, route.role, f"{route.method} {route.path}")
         raw = await request.read() if route.body is not None else b""
         if route.write and api.replica.election.fence is None:
-            return await _forward(api, request, raw)
+            if api.forwarder is None:
+                raise Unavailable("the admin API is starting", fix="retry in a few seconds")
+            return await api.forwarder.forward(request, raw)
         call = routes.Call(
             request=request,
             caller=caller,
@@ -247,13 +258,13 @@ def _endpoint(route: routes.Route) -> Handler:
             leader=api.leader,
             replica=api.replica,
             fingerprint=_fingerprint(request, raw),
-            received_by=request.headers.get(FORWARDED) or api.replica.election.identity,
+            received_by=request.headers.get(forward.FORWARDED) or api.replica.election.identity,
         )
         out = await route.handler(call)
         if isinstance(out, web.StreamResponse):
             return out
         if isinstance(out, actions.Reply):
-            headers = {LEADER_HEADER: api.replica.election.identity}
+            headers = {forward.LEADER_HEADER: api.replica.election.identity}
             if out.replayed:
                 headers["Idempotent-Replayed"] = "true"
             if out.status >= 400:
@@ -302,54 +313,6 @@ def _fingerprint(request: web.Request, raw: bytes) -> str:
         h.update(part.encode() + b"\0")
     h.update(raw)
     return h.hexdigest()
-
-
-async def _forward(api: AdminApi, request: web.Request, raw: bytes) -> web.StreamResponse:
-    me = api.replica.election.identity
-    if request.headers.get(FORWARDED):
-        raise Unavailable(
-            "this replica no longer leads (leadership moved while forwarding); nothing was changed",
-            fix="retry in a few seconds",
-        )
-    leader_entry = await api.replica.store.get(keys.LEADER)
-    endpoint_entry = await api.replica.store.get(api_keys.ADMIN)
-    if leader_entry is None:
-        raise Unavailable(
-            "no controller leads right now; nothing was changed",
-            fix="retry in a few seconds (a leader is elected within one lease TTL)",
-        )
-    leader = leader_entry.value.decode()
-    endpoint = None
-    if endpoint_entry is not None:
-        with contextlib.suppress(pydantic.ValidationError):
-            endpoint = AdminEndpoint.model_validate_json(endpoint_entry.value)
-    if endpoint is None or endpoint.id != leader or api.session is None:
-        raise Unavailable(
-            f"the leader {leader} has not published its admin URL yet; nothing was changed",
-            fix="retry in a few seconds",
-        )
-    headers = {FORWARDED: me}
-    for name in ("Authorization", "Idempotency-Key", "Content-Type"):
-        if name in request.headers:
-            headers[name] = request.headers[name]
-    try:
-        async with api.session.request(
-            request.method, endpoint.url + request.path_qs, data=raw or None, headers=headers
-        ) as upstream:
-            body = await upstream.read()
-            out = web.Response(body=body, status=upstream.status)
-            out.headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
-            for name in (LEADER_HEADER, "Idempotent-Replayed"):
-                if name in upstream.headers:
-                    out.headers[name] = upstream.headers[name]
-            return out
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise Unavailable(
-            f"could not reach the leader {leader} at {endpoint.url}: {type(exc).__name__}; "
-            "the action may or may not have been applied",
-            fix="retry with the same Idempotency-Key (it is applied once), or check "
-            "`meridianctl audit` before running the command again",
-        ) from exc
 
 
 def openapi_json(_: Any = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ The output contains the TSIG secrets: store it like a key file (``chmod 640``, o
 
 from __future__ import annotations
 
-from controlplane.dns.settings import DnsSettings, TsigSettings
+from controlplane.settings.dns import DnsSettings, TsigSettings
 
 
 def _q(text: str) -> str:

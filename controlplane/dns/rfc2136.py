@@ -24,7 +24,7 @@ import dns.tsig
 import dns.update
 
 from controlplane.dns.errors import DnsError, DnsFailed, DnsRefused, DnsUnavailable
-from controlplane.dns.settings import DnsSettings
+from controlplane.settings.dns import DnsSettings
 from policies import dns_plan
 from policies.dns_plan import Change, Names, RecordSet
 

@@ -27,13 +27,11 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import meridian_etcd as etcd
 from controlplane.dns.errors import DnsError, DnsRefused
 from controlplane.dns.rfc2136 import Client, normalize
-from controlplane.errors import NotLeader, StoreUnavailable
 from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
-from controlplane.store.etcd import Fence
 from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import DnsApplied, DnsRecord, DnsViewApplied
@@ -84,8 +82,8 @@ def views_of(settings: ControllerSettings) -> list[dns_plan.ViewSpec]:
 @dataclass(slots=True, kw_only=True)
 class Steering:
     settings: ControllerSettings
-    store: Store
-    fence: Fence | None
+    store: etcd.Store
+    fence: etcd.Fence | None
     clock: Clock
     client: Client
     rng: random.Random = field(default_factory=random.Random)
@@ -115,10 +113,10 @@ class Steering:
             self._wake.clear()
             try:
                 await self.reconcile_once()
-            except NotLeader:
+            except etcd.Fenced:
                 log.warning("dns: fenced off, another replica leads; stopping DNS steering")
                 return
-            except (DnsError, StoreUnavailable) as exc:
+            except (DnsError, etcd.Unavailable) as exc:
                 refused = isinstance(exc, DnsRefused)
                 await self._failed(exc)
             except Exception as exc:  # the runner: a bug must not end steering silently
@@ -138,7 +136,7 @@ class Steering:
             self._wake.set()  # retry, with the newest plan
 
     async def _load_applied(self) -> None:
-        with contextlib.suppress(StoreUnavailable, ValueError):
+        with contextlib.suppress(etcd.Unavailable, ValueError):
             entry = await self.store.get(keys.DNS_APPLIED)
             if entry is not None:
                 self.applied = DnsApplied.model_validate_json(entry.value)
@@ -222,13 +220,13 @@ class Steering:
                 "dns: %s: %s; keeping the desired state (generation %s), retrying with backoff",
                 what, text, self.desired.generation if self.desired is not None else "-",
             )  # fmt: skip
-        if isinstance(exc, StoreUnavailable):
+        if isinstance(exc, etcd.Unavailable):
             return
         behind = self.applied is None or (
             self.desired is not None and self.applied.desired_generation != self.desired.generation
         )
         if self.desired is not None and (first or behind):
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(etcd.Unavailable):
                 await self._record(self.desired, counts=None, error=text)
 
     async def _record(
@@ -293,7 +291,7 @@ class Steering:
         if old is not None and value == old:
             return
         put = {keys.DNS_APPLIED: value.model_dump_json().encode()}
-        await self.store.commit(put, fence=self.fence)
+        await self.store.commit(puts=put, fence=self.fence)
         self.applied = value
 
     def _controller(self) -> str:
@@ -310,7 +308,7 @@ Poke = Steering | _Off
 
 @contextlib.asynccontextmanager
 async def steering(
-    settings: ControllerSettings, *, store: Store, fence: Fence | None, clock: Clock
+    settings: ControllerSettings, *, store: etcd.Store, fence: etcd.Fence | None, clock: Clock
 ) -> AsyncIterator[Poke]:
     """DNS steering for the length of a leadership: ``poke()`` it after every window.  With
     ``dns.backend = "off"`` it does nothing."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import pydantic
 
+import meridian_etcd as etcd
 from controlplane.errors import BadValue
-from controlplane.store import Entry, Store
 from meridian_wire import keys
 from meridian_wire.models import (
     FleetPlan,
@@ -91,7 +92,7 @@ class FleetView:
     bad: list[BadValue] = field(default_factory=list)
 
 
-def _parse(entry: Entry, model: type[M], bad: list[BadValue]) -> M | None:
+def _parse(entry: etcd.Entry, model: type[M], bad: list[BadValue]) -> M | None:
     try:
         return model.model_validate(json.loads(entry.value))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -104,7 +105,7 @@ def _parse(entry: Entry, model: type[M], bad: list[BadValue]) -> M | None:
     return None
 
 
-def _agent_status(entry: Entry, region: str, agent: AgentRecord, bad: list[BadValue]) -> None:
+def _agent_status(entry: etcd.Entry, region: str, agent: AgentRecord, bad: list[BadValue]) -> None:
     agent.status = _parse(entry, RegionStatus, bad)
     if agent.status is not None and agent.status.region != region:
         bad.append(BadValue(entry.key, f"names region {agent.status.region!r}, not {region!r}"))
@@ -187,7 +188,7 @@ def _settle(record: RegionRecord) -> None:
     record.status_bad = record.status is None and any(a.status_bad for a in agents)
 
 
-def _tables(view: FleetView, entries: list[Entry]) -> None:
+def _tables(view: FleetView, entries: Sequence[etcd.Entry]) -> None:
     """Group tables per region and kind; bad ranges reported and ignored."""
     ranges: dict[tuple[str, str], list[tuple[int, GroupTable]]] = {}
     for entry in entries:
@@ -267,10 +268,10 @@ def _tables(view: FleetView, entries: list[Entry]) -> None:
                 )
 
 
-async def read(store: Store, *, tables: bool = False) -> FleetView:
+async def read(store: etcd.Store, *, tables: bool = False) -> FleetView:
     """The fleet as etcd holds it; with ``tables``, the regions' group tables too."""
     view = FleetView()
-    for entry in await store.get_prefix(keys.REGIONS):
+    for entry in (await store.get_prefix(keys.REGIONS)).entries:
         in_agent = keys.parse_agent_key(entry.key)
         if in_agent is not None:
             region, agent_id, leaf = in_agent
@@ -301,7 +302,7 @@ async def read(store: Store, *, tables: bool = False) -> FleetView:
     for record in view.regions.values():
         _settle(record)
     if tables:
-        _tables(view, await store.get_prefix(keys.ROUTING))
+        _tables(view, (await store.get_prefix(keys.ROUTING)).entries)
     plan = await store.get(keys.PLAN)
     if plan is not None:
         view.plan = _parse(plan, FleetPlan, view.bad) or FleetPlan()

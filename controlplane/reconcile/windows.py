@@ -6,11 +6,12 @@ in one transaction guarded by the leader key, every region's judged health and d
 (weight, capacity floor) and the new plan, then the events.  Only values that changed are
 written.  A new leader continues from the stored plan, so killing the leader changes nothing.
 
-Fail static: when etcd is unreachable the pass raises ``StoreUnavailable`` and nothing changes;
-the runner tries again and converges when etcd is back.
+Fail static: when etcd is unreachable the pass raises ``meridian_etcd.Unavailable`` and nothing
+changes; the runner tries again and converges when etcd is back.
 
 The failover policy's knobs come from the settings, overridden by what an admin stored under
-``controller/policies`` through the admin API (read every pass: applied from the next window).
+``controller/policies`` through the admin API (``controlplane.failover_policy``, read every pass:
+applied from the next window).
 The admin API also uses ``prepare`` to show an action's plan (a dry run, with the operator's
 override applied) and commits it with ``commit``; ``pass_lock`` keeps one pass at a time.
 """
@@ -27,14 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic
-
-from controlplane.api import keys as api_keys
-from controlplane.api.models import PolicyValues, StoredPolicies
+import meridian_etcd as etcd
+from controlplane import failover_policy
 from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
-from controlplane.store.etcd import Fence
 from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import (
@@ -58,22 +55,6 @@ class PassResult:
     events: int
     alert: str | None
     recheck_after_s: float
-
-
-def policy_values(settings: ControllerSettings) -> PolicyValues:
-    """The policy knobs as configured (before any admin override)."""
-    return PolicyValues.model_validate(settings.failover, from_attributes=True)
-
-
-def config_from(
-    settings: ControllerSettings, policies: PolicyValues | None = None
-) -> failover.FailoverConfig:
-    return failover_config(policies or policy_values(settings))
-
-
-def failover_config(f: PolicyValues) -> failover.FailoverConfig:
-    """The policy's config from these knobs; ValueError names a bad one."""
-    return failover.FailoverConfig(**{**f.model_dump(), "ramp": tuple(f.ramp)})
 
 
 def topology_from(
@@ -103,24 +84,10 @@ def topology_from(
     return failover.Topology.build(infos.values(), latency)
 
 
-async def stored_policies(store: Store) -> StoredPolicies | None:
-    """The admin's policies from etcd; ``None`` when unset or invalid (logged, settings used)."""
-    entry = await store.get(api_keys.POLICIES)
-    if entry is None:
-        return None
-    try:
-        stored = StoredPolicies.model_validate_json(entry.value)
-        failover_config(stored.values)  # the policy's own checks
-    except (pydantic.ValidationError, ValueError) as exc:
-        log.warning("ignoring invalid policies key=%s problem=%s", entry.key, exc)
-        return None
-    return stored
+_LOCKS: weakref.WeakKeyDictionary[etcd.Store, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-_LOCKS: weakref.WeakKeyDictionary[Store, asyncio.Lock] = weakref.WeakKeyDictionary()
-
-
-def pass_lock(store: Store) -> asyncio.Lock:
+def pass_lock(store: etcd.Store) -> asyncio.Lock:
     """One pass (or admin action) at a time per store, so none overwrites another's plan."""
     lock = _LOCKS.get(store)
     if lock is None:
@@ -191,8 +158,8 @@ class Prepared:
 
 async def reconcile_once(
     *,
-    store: Store,
-    fence: Fence | None,
+    store: etcd.Store,
+    fence: etcd.Fence | None,
     settings: ControllerSettings,
     clock: Clock,
     judge: bool = True,
@@ -207,7 +174,7 @@ async def reconcile_once(
 
 async def prepare(
     *,
-    store: Store,
+    store: etcd.Store,
     settings: ControllerSettings,
     clock: Clock,
     judge: bool = True,
@@ -220,7 +187,7 @@ async def prepare(
     view = await fleet.read(store)
     for region, replaced in (overrides or {}).items():
         view.regions.setdefault(region, fleet.RegionRecord(region=region)).override = replaced
-    stored = await stored_policies(store)
+    stored = await failover_policy.stored(store)
     last_status = dict(view.plan.last_status)
     for region, record in view.regions.items():
         if record.status is not None:
@@ -254,7 +221,7 @@ async def prepare(
         previous,
         observations,
         topology=topology,
-        config=config_from(settings, stored.values if stored is not None else None),
+        config=failover_policy.config_from(settings, stored.values if stored is not None else None),
         now=now,
         judge=judge,
     )
@@ -331,15 +298,15 @@ async def prepare(
 async def commit(
     prepared: Prepared,
     *,
-    store: Store,
-    fence: Fence | None,
+    store: etcd.Store,
+    fence: etcd.Fence | None,
     settings: ControllerSettings,
     extra_puts: Mapping[str, bytes] | None = None,
     deletes: tuple[str, ...] = (),
 ) -> PassResult:
     """Write a prepared pass (plus ``extra_puts``/``deletes``) in one fenced transaction."""
     puts = {**prepared.puts, **(extra_puts or {})}
-    await store.commit(puts, deletes=deletes, fence=fence)
+    await store.commit(puts=puts, deletes=deletes, fence=fence)
     state, result = prepared.result.state, prepared.result
     for event in prepared.events:
         level = (
@@ -362,10 +329,9 @@ async def commit(
     )
 
 
-async def _prune_events(store: Store, *, fence: Fence | None, retention: int) -> None:
-    entries = await store.get_prefix(keys.EVENTS)
+async def _prune_events(store: etcd.Store, *, fence: etcd.Fence | None, retention: int) -> None:
+    entries = sorted((await store.get_prefix(keys.EVENTS)).entries, key=lambda e: e.key)
     if len(entries) <= retention:
         return
-    entries.sort(key=lambda e: e.key)
     old = [e.key for e in entries[: len(entries) - retention]]
-    await store.commit({}, deletes=old, fence=fence)
+    await store.commit(deletes=old, fence=fence)

@@ -1,6 +1,10 @@
 """Settings of ``meridian-controller``: flags over ``MERIDIAN_CONTROLLER_*`` over the TOML file
 given with ``--config`` over these defaults.  Invalid settings stop the process at start with a
 message naming the field.
+
+``ControllerSettings`` (here) groups ``etcd``, ``election``, ``failover``, ``server``, ...; the
+admin API's group is in ``settings.api`` and DNS steering's in ``settings.dns``, so that every
+layer of the controller reads its settings from below.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controlplane.api.settings import ApiSettings
-from controlplane.dns.settings import DnsSettings
+from controlplane.settings.api import ApiSettings
+from controlplane.settings.dns import DnsSettings
+from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import settings as settings_loading
 from meridian_wire.models import REGION_ID, RESIDENCY_TAG
 
@@ -34,13 +39,7 @@ class EtcdSettings(_Group):
     @field_validator("endpoints")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one etcd endpoint is required")
-        for url in value:
-            rest = url.split("://", 1)[-1].rstrip("/")
-            host, _, port = rest.rpartition(":")
-            if "://" not in url or not host or not port.isdigit():
-                raise ValueError(f"etcd endpoint {url!r} must look like http://host:port")
+        etcd_endpoints.parse_all(value)  # one parser for every etcd URL (meridian_etcd.endpoints)
         return value
 
 
@@ -118,8 +117,10 @@ class EventSettings(_Group):
 
 
 class ServerSettings(_Group):
-    host: str = Field("127.0.0.1", description="address of the controller's read API")
-    port: int = Field(8090, ge=0, le=65535, description="port of the read API; 0 picks one")
+    host: str = Field(
+        "127.0.0.1", description="address of the read port: /health and the admin API's reads"
+    )
+    port: int = Field(8090, ge=0, le=65535, description="the read port; 0 picks one")
 
 
 class ControllerSettings(BaseSettings):
@@ -141,7 +142,7 @@ class ControllerSettings(BaseSettings):
     server: ServerSettings = ServerSettings()
     api: ApiSettings = Field(
         default_factory=ApiSettings,
-        description="the admin API: port, TLS, bearer tokens (controlplane/api/settings.py)",
+        description="the admin API: port, TLS, bearer tokens (controlplane/settings/api.py)",
     )
     dns: DnsSettings = Field(
         default_factory=DnsSettings,

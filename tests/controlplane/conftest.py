@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from controlplane.store import Store
+import meridian_etcd
 from tests.support import EtcdServer
+from tests.support.etcd import client as etcd_client
 
 
 @pytest.fixture
-async def store(etcd: EtcdServer) -> AsyncIterator[Store]:
+async def store(etcd: EtcdServer) -> AsyncIterator[meridian_etcd.Store]:
     """The controller's store on the session's etcd."""
-    s = Store([etcd.url])
+    s = etcd_client(etcd.url)
     yield s
     await s.close()

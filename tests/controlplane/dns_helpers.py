@@ -12,7 +12,7 @@ import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
 
-from controlplane.dns.settings import DnsSettings
+from controlplane.settings.dns import DnsSettings
 from tests.support import BindServer, DnsView
 
 EU_ADDRESS = "192.0.2.10"

@@ -17,15 +17,16 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
+import meridian_etcd
+from controlplane import failover_policy
 from controlplane.api import actions, routes
 from controlplane.api import keys as api_keys
 from controlplane.api.auth import Caller
 from controlplane.api.problems import Unavailable
 from controlplane.api.server import ADMIN_API
 from controlplane.app import Controller
-from controlplane.errors import StoreUnavailable
-from controlplane.store.etcd import Fence
 from meridian_wire import keys
 from meridian_wire.models import FleetPlan, RegionHealth, RegionOverride
 from tests.meridianctl.stack import TOKENS, Stack
@@ -57,7 +58,7 @@ async def client(stack: Stack, leader: Controller) -> AsyncIterator[httpx.AsyncC
 
 
 async def _audit(stack: Stack) -> list[dict[str, Any]]:
-    entries = sorted(await stack.store.get_prefix(keys.AUDIT), key=lambda e: e.key)
+    entries = sorted((await stack.store.get_prefix(keys.AUDIT)).entries, key=lambda e: e.key)
     return [json.loads(e.value) for e in entries]
 
 
@@ -100,6 +101,41 @@ async def test_regions_lists_every_region_with_its_state(client: httpx.AsyncClie
     assert health.status_code == 200 and health.json()["leading"] is True
     dns = await client.get("/v1/dns", headers=AUTH["viewer"])
     assert dns.status_code == 200 and dns.json() == {"applied": None, "problem": None}
+
+
+async def test_the_read_port_serves_the_same_reads_and_refuses_writes(
+    stack: Stack, leader: Controller, client: httpx.AsyncClient
+) -> None:
+    """One resource, one handler: the read port (server.port) mounts the admin API's GET routes
+    as they are (same roles, same shapes); a write there says where writes go."""
+    runner = stack.runners["ctl-a"]
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as read:
+            for path in ("/v1/regions", "/v1/regions/eu-west", "/v1/events", "/v1/policies"):
+                here = await read.get(path, headers=AUTH["viewer"])
+                there = await client.get(path, headers=AUTH["viewer"])
+                assert here.status_code == there.status_code == 200, (path, here.text)
+                assert set(here.json()) == set(there.json()), path
+            detail = (await read.get("/v1/regions/eu-west", headers=AUTH["viewer"])).json()
+            assert set(detail["agents"]) and set(detail["tables"]) == set()  # no group tables
+            _problem(await read.get("/v1/regions"), 401)  # the same roles
+            health = await read.get("/health")
+            assert health.status_code == 200 and set(health.json()) == set(
+                (await client.get("/v1/health")).json()
+            )
+            body = _problem(
+                await read.post(
+                    "/v1/regions/eu-west/drain", json={"reason": "x"}, headers=AUTH["operator"]
+                ),
+                405,
+            )
+            assert "read port" in body["detail"] and "--admin-port" in body["fix"]
+            assert (await _health(stack, "eu-west")).state == "healthy"  # nothing changed
+    finally:
+        await site.stop()
 
 
 async def test_openapi_document_covers_every_route(client: httpx.AsyncClient) -> None:
@@ -333,7 +369,7 @@ async def test_policies_are_validated_stored_and_applied_at_the_next_window(
     values = r.json()["values"]
     assert values["strikes"] == 4 and values["ttft_p99_slo_s"] is None
     assert r.json()["source"] == "etcd" and r.json()["by"] == "admin-user"
-    assert await stack.store.get(api_keys.POLICIES) is not None
+    assert await stack.store.get(failover_policy.KEY) is not None
     passes = leader.passes
     await until(lambda: leader.passes >= passes + 2, 10, "windows")
     assert leader.last_pass is not None and leader.last_pass.recheck_after_s == 0.7
@@ -381,7 +417,7 @@ async def test_policies_dry_run_answers_the_values_and_stores_nothing(
     )
     assert r.status_code == 200, r.text
     assert r.json()["values"]["strikes"] == 5
-    assert await stack.store.get(api_keys.POLICIES) is None  # nothing stored
+    assert await stack.store.get(failover_policy.KEY) is None  # nothing stored
     current = await client.get("/v1/policies", headers=AUTH["viewer"])
     assert current.json()["source"] == "settings" and current.json()["values"]["strikes"] == 3
     audit = await _audit(stack)
@@ -404,12 +440,14 @@ async def test_an_action_that_fails_with_a_5xx_is_audited_as_an_error(
     assert app is not None
     api = app[ADMIN_API]
     failures: list[Exception] = [
-        StoreUnavailable("etcd timed out during the commit"),
+        meridian_etcd.Unavailable("etcd timed out during the commit"),
         Unavailable("the plan could not be written", fix="retry"),
     ]
     for failure in failures:
 
-        async def work(fence: Fence, audit_id: str, failure: Exception = failure) -> actions.Reply:
+        async def work(
+            fence: meridian_etcd.Fence, audit_id: str, failure: Exception = failure
+        ) -> actions.Reply:
             raise failure
 
         with pytest.raises(type(failure)) as raised:
@@ -421,7 +459,7 @@ async def test_an_action_that_fails_with_a_5xx_is_audited_as_an_error(
     ] * 2
     assert "etcd timed out" in audit[0]["detail"] and "could not be written" in audit[1]["detail"]
     # no answer is kept for the key: a retry with it runs the action
-    assert await stack.store.get_prefix(api_keys.IDEMPOTENCY) == []
+    assert (await stack.store.get_prefix(api_keys.IDEMPOTENCY)).entries == ()
 
 
 async def test_a_5xx_with_etcd_gone_is_raised_as_it_was(fresh_etcd: EtcdServer) -> None:
@@ -433,7 +471,7 @@ async def test_a_5xx_with_etcd_gone_is_raised_as_it_was(fresh_etcd: EtcdServer) 
         assert app is not None
         failure = Unavailable("the plan could not be written", fix="retry")
 
-        async def work(fence: Fence, audit_id: str) -> actions.Reply:
+        async def work(fence: meridian_etcd.Fence, audit_id: str) -> actions.Reply:
             fresh_etcd.process.kill()
             raise failure
 

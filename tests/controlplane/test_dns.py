@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+import meridian_etcd
 from controlplane.dns import rfc2136, steering
 from controlplane.dns.errors import DnsRefused
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
 from meridian_service.clock import Clock as ClockProtocol
 from meridian_wire import keys
 from meridian_wire.models import DnsApplied, RegionStatus
@@ -56,7 +56,7 @@ def _settings(bind: BindServer, **dns: Any) -> ControllerSettings:
 
 
 def _steering(
-    settings: ControllerSettings, store: Store, clock: ClockProtocol
+    settings: ControllerSettings, store: meridian_etcd.Store, clock: ClockProtocol
 ) -> steering.Steering:
     return steering.Steering(
         settings=settings,
@@ -68,7 +68,7 @@ def _steering(
 
 
 async def _window(
-    store: Store,
+    store: meridian_etcd.Store,
     clock: ManualClock,
     settings: ControllerSettings,
     *,
@@ -91,14 +91,14 @@ async def _window(
     await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
 
 
-async def _applied(store: Store) -> DnsApplied:
+async def _applied(store: meridian_etcd.Store) -> DnsApplied:
     entry = await store.get(keys.DNS_APPLIED)
     assert entry is not None
     return DnsApplied.model_validate_json(entry.value)
 
 
 async def test_each_geography_gets_its_own_answer_and_nothing_is_resent(
-    store: Store, bind: BindServer
+    store: meridian_etcd.Store, bind: BindServer
 ) -> None:
     clock = ManualClock()
     settings = _settings(bind)
@@ -135,7 +135,7 @@ async def test_each_geography_gets_its_own_answer_and_nothing_is_resent(
 
 
 async def test_failover_flips_the_geography_to_its_backup_and_the_ramp_brings_it_back(
-    store: Store, bind: BindServer
+    store: meridian_etcd.Store, bind: BindServer
 ) -> None:
     clock = ManualClock()
     settings = _settings(bind)
@@ -167,7 +167,7 @@ async def test_failover_flips_the_geography_to_its_backup_and_the_ramp_brings_it
 
 
 async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
-    store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
+    store: meridian_etcd.Store, bind: BindServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = ManualClock()
     forged = base64.b64encode(secrets.token_bytes(32)).decode()
@@ -200,7 +200,7 @@ async def test_a_wrongly_signed_update_is_refused_and_said_clearly(
     assert forged not in caplog.text  # secrets never reach the logs
 
 
-async def test_an_unsigned_update_is_refused(store: Store, bind: BindServer) -> None:
+async def test_an_unsigned_update_is_refused(store: meridian_etcd.Store, bind: BindServer) -> None:
     clock = ManualClock()
     views = [
         {"name": "geo-a", "geo": "eu", "source": EU},  # no key: reads and writes from 127.0.0.2
@@ -215,7 +215,7 @@ async def test_an_unsigned_update_is_refused(store: Store, bind: BindServer) -> 
 
 
 async def test_dry_run_logs_the_difference_and_sends_nothing(
-    store: Store, bind: BindServer, caplog: pytest.LogCaptureFixture
+    store: meridian_etcd.Store, bind: BindServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = ManualClock()
     settings = _settings(bind, backend="dry-run")
@@ -240,7 +240,9 @@ async def test_dry_run_logs_the_difference_and_sends_nothing(
     assert again.mod_revision == first.mod_revision
 
 
-async def test_records_written_out_of_band_are_put_back(store: Store, bind: BindServer) -> None:
+async def test_records_written_out_of_band_are_put_back(
+    store: meridian_etcd.Store, bind: BindServer
+) -> None:
     clock = ManualClock()
     settings = _settings(bind)
     steer = _steering(settings, store, clock)
@@ -265,7 +267,7 @@ async def test_records_written_out_of_band_are_put_back(store: Store, bind: Bind
 
 
 async def test_a_host_name_endpoint_below_the_service_is_the_operators_and_never_touched(
-    store: Store, bind: BindServer
+    store: meridian_etcd.Store, bind: BindServer
 ) -> None:
     clock = ManualClock()
     settings = _settings(bind)
@@ -292,7 +294,7 @@ async def test_a_host_name_endpoint_below_the_service_is_the_operators_and_never
 
 
 async def test_a_zone_the_view_does_not_serve_is_said_clearly(
-    store: Store, bind: BindServer
+    store: meridian_etcd.Store, bind: BindServer
 ) -> None:
     clock = ManualClock()
     views = [

@@ -14,8 +14,8 @@ import pytest
 from controlplane import cli
 from controlplane.dns import bindconf, rfc2136
 from controlplane.dns.errors import DnsRefused
-from controlplane.dns.settings import DnsSettings
 from controlplane.settings import ControllerSettings
+from controlplane.settings.dns import DnsSettings
 from policies.dns_plan import Change, RecordSet
 from tests.controlplane.dns_helpers import API, answer
 from tests.support import DnsView, TsigKey, check_conf, start_bind_with, zone_file

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
 from meridian_wire import keys
 from meridian_wire.models import DnsApplied, RegionHealth, RegionStatus
 from tests.controlplane.dns_helpers import (
@@ -35,6 +34,7 @@ from tests.controlplane.dns_helpers import (
     srv_weights,
 )
 from tests.support import BindServer, EtcdServer, cancel_all, relaunch_bind
+from tests.support.etcd import client as etcd_client
 
 WINDOW_S = 0.4
 EU, US = "127.0.0.2", "127.0.0.1"
@@ -52,7 +52,7 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: s
 class Stack:
     def __init__(self, etcd: EtcdServer, bind: BindServer) -> None:
         self.etcd, self.bind = etcd, bind
-        self.store = Store([etcd.url], timeout_s=1.0)
+        self.store = etcd_client(etcd.url, timeout_s=1.0)
         self.up = {"eu-west": True, "us-east": True}
         self.tasks: list[asyncio.Task[None]] = []
         self.runner: web.AppRunner | None = None

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 
+import meridian_etcd
 from controlplane.election import Election
-from controlplane.errors import NotLeader, StoreUnavailable
-from controlplane.store import Store
-from controlplane.store.etcd import Fence
 from meridian_service.clock import WallClock
 from meridian_wire import keys
 from tests.support import EtcdServer, cancel_all
+from tests.support.etcd import client as etcd_client
 
 
 async def _until(predicate: object, timeout_s: float) -> None:
@@ -27,15 +27,15 @@ async def _until(predicate: object, timeout_s: float) -> None:
 async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
     etcd: EtcdServer,
 ) -> None:
-    stores = [Store([etcd.url]), Store([etcd.url])]
+    stores = [etcd_client(etcd.url), etcd_client(etcd.url)]
     elections = [
         Election(store=s, identity=f"c{i}", ttl_s=2, clock=WallClock())
         for i, s in enumerate(stores)
     ]
-    fences: dict[str, Fence] = {}
+    fences: dict[str, meridian_etcd.Fence] = {}
 
     def worker(name: str):  # type: ignore[no-untyped-def]
-        async def work(fence: Fence) -> None:
+        async def work(fence: meridian_etcd.Fence) -> None:
             fences[name] = fence
             await asyncio.Event().wait()
 
@@ -51,7 +51,7 @@ async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
         other = next(e for e in elections if e is not first)
         old_fence = fences[first.identity]
         probe = {keys.PREFIX + "probe": b"1"}
-        await stores[elections.index(first)].commit(probe, fence=old_fence)
+        await stores[elections.index(first)].commit(puts=probe, fence=old_fence)
 
         # the leader's process dies: its keep-alives stop
         dead = tasks[elections.index(first)]
@@ -65,8 +65,8 @@ async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
         new_fence = fences[other.identity]
         assert new_fence.create_revision > old_fence.create_revision
         # a write carrying the old leader's fence does not land
-        with pytest.raises(NotLeader):
-            await stores[0].commit({keys.PREFIX + "probe": b"stale"}, fence=old_fence)
+        with pytest.raises(meridian_etcd.Fenced):
+            await stores[0].commit(puts={keys.PREFIX + "probe": b"stale"}, fence=old_fence)
         got = await stores[0].get(keys.PREFIX + "probe")
         assert got is not None and got.value == b"1"
     finally:
@@ -75,50 +75,12 @@ async def test_one_leader_then_a_follower_takes_over_and_the_old_one_is_fenced(
             await s.close()
 
 
-async def test_store_fails_over_to_a_live_endpoint_and_reports_when_none_is(
-    etcd: EtcdServer,
-) -> None:
-    dead = "http://127.0.0.1:1"
-    store = Store([dead, etcd.url], timeout_s=1)
-    try:
-        await store.put(keys.PREFIX + "x", b"y")
-        got = await store.get(keys.PREFIX + "x")
-        assert got is not None and got.value == b"y"
-        assert store.endpoint == etcd.url
-    finally:
-        await store.close()
-    nowhere = Store([dead], timeout_s=1)
-    try:
-        with pytest.raises(StoreUnavailable, match="unreachable"):
-            await nowhere.get(keys.PREFIX + "x")
-    finally:
-        await nowhere.close()
-
-
-async def test_a_call_cancelled_by_another_caller_closing_the_channel_is_retried(
-    etcd: EtcdServer,
-) -> None:
-    """The leader's keep-alive and its window pass share one store: when one call fails and
-    closes the channel, gRPC cancels the other's call.  That must read as a failed call (and
-    be retried), never as the caller's own cancellation, which ended the election for good."""
-    store = Store([etcd.url])
-    try:
-        await store.put("/t/a", b"1")
-        calls = [asyncio.create_task(store.get_prefix("/t/")) for _ in range(5)]
-        await asyncio.sleep(0)  # the calls are in flight on the channel ...
-        await store.close()  # ... which another caller closes
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        assert all(isinstance(r, list) and len(r) == 1 for r in results), results
-    finally:
-        await store.close()
-
-
 async def test_the_election_survives_leader_work_that_ends_cancelled(etcd: EtcdServer) -> None:
-    store = Store([etcd.url])
+    store = etcd_client(etcd.url)
     election = Election(store=store, identity="c0", ttl_s=2, clock=WallClock())
-    runs: list[Fence] = []
+    runs: list[meridian_etcd.Fence] = []
 
-    async def work(fence: Fence) -> None:
+    async def work(fence: meridian_etcd.Fence) -> None:
         runs.append(fence)
         if len(runs) == 1:
             raise asyncio.CancelledError  # as a gRPC call cancelled under it would
@@ -132,3 +94,39 @@ async def test_the_election_survives_leader_work_that_ends_cancelled(etcd: EtcdS
         await cancel_all([task])
         await election.resign()
         await store.close()
+
+
+async def test_unreachable_etcd_is_one_warning_naming_the_url_and_leading_is_info(
+    etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's typo in --etcd shows once, loudly, with the URL; a normal election is not a
+    warning."""
+    caplog.set_level(logging.DEBUG)
+    dead = "http://127.0.0.1:1"
+    nowhere = etcd_client(dead, timeout_s=0.5)
+    election = Election(store=nowhere, identity="c0", ttl_s=2, clock=WallClock())
+    task = asyncio.create_task(election.run(lambda fence: asyncio.Event().wait()))
+    try:
+        await _until(lambda: election.etcd_ok is False, 10)
+        await asyncio.sleep(2.0)  # three more campaigns fail meanwhile
+    finally:
+        await cancel_all([task])
+        await nowhere.close()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert dead in warnings[0].getMessage() and "unreachable" in warnings[0].getMessage()
+    info = [r for r in caplog.records if r.levelno == logging.INFO and "etcd" in r.getMessage()]
+    assert info == []  # no line per retry
+    caplog.clear()
+    store = etcd_client(etcd.url)
+    election = Election(store=store, identity="c1", ttl_s=2, clock=WallClock())
+    task = asyncio.create_task(election.run(lambda fence: asyncio.Event().wait()))
+    try:
+        await _until(lambda: election.leading, 10)
+    finally:
+        await cancel_all([task])
+        await election.resign()
+        await store.close()
+    leading = [r for r in caplog.records if "election: leading" in r.getMessage()]
+    assert [r.levelno for r in leading] == [logging.INFO]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import meridian_etcd
 from controlplane.reconcile import fleet
-from controlplane.store import Store
 from meridian_wire import keys
 from meridian_wire.models import GroupLayout, GroupTable, RegionLoad, RegionStatus
 from policies import groups
@@ -59,7 +59,7 @@ def test_combine_takes_node_figures_once_and_sums_traffic() -> None:
 
 
 async def test_a_region_is_alive_while_any_agent_is_and_dead_agents_do_not_count(
-    store: Store,
+    store: meridian_etcd.Store,
 ) -> None:
     await store.put(keys.agent_alive("eu-west", "a1"), b"")
     await store.put(
@@ -96,7 +96,7 @@ def _range(region: str, first: int, end: int, owner: str) -> bytes:
 
 
 async def test_the_controller_reads_tables_reports_bad_entries_and_ignores_them(
-    store: Store,
+    store: meridian_etcd.Store,
 ) -> None:
     for region, layout in (("eu-west", LAYOUT), ("us-east", GroupLayout(groups={"u0": 1.0}))):
         await store.put(keys.agent_alive(region, "a1"), b"")

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+import meridian_etcd
 from controlplane.app import CONTROLLER, Controller, create_app
-from controlplane.errors import NotLeader
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
 from meridian_wire import keys
 from meridian_wire.models import RegionHealth, RegionStatus
 from tests.support import (
@@ -30,6 +29,7 @@ from tests.support import (
     start_etcd_cluster,
     until,
 )
+from tests.support.etcd import client as etcd_client
 
 WINDOW_S = 0.4
 REGIONS = ({"id": "eu-west", "geo": "eu", "residency": ["eu"]},
@@ -55,7 +55,7 @@ class Fleet:
         self.runners: dict[str, web.AppRunner] = {}
         self.agents: list[asyncio.Task[None]] = []
         self.up = {"eu-west": True, "eu-north": True}
-        self.store = Store(endpoints, timeout_s=1.0)
+        self.store = etcd_client(*endpoints, timeout_s=1.0)
 
     async def controller(self, name: str) -> Controller:
         app = create_app(_settings(self.endpoints, name))
@@ -76,7 +76,7 @@ class Fleet:
             self.agents.append(asyncio.create_task(self._agent(region)))
 
     async def _agent(self, region: str) -> None:
-        store = Store(self.endpoints, timeout_s=1.0)
+        store = etcd_client(*self.endpoints, timeout_s=1.0)
         try:
             while True:
                 if self.up[region]:
@@ -160,8 +160,8 @@ async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
     desired = await fleet.store.get(keys.desired("eu-north"))
     assert desired is not None and b'"capacity_floor":1.0' in desired.value
     # and a write under the dead leader's fence does not land
-    with pytest.raises(NotLeader):
-        await fleet.store.commit({keys.PREFIX + "probe": b"x"}, fence=old_fence)
+    with pytest.raises(meridian_etcd.Fenced):
+        await fleet.store.commit(puts={keys.PREFIX + "probe": b"x"}, fence=old_fence)
 
 
 async def test_a_three_member_cluster_with_one_member_killed_keeps_working(

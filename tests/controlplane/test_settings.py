@@ -21,7 +21,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
         (["--strikes", "0"], "failover.strikes"),
         (["--window-s", "-5"], "failover.window_s"),
         (["--prewarm-fraction", "1.5"], "failover.prewarm_fraction"),
-        (["--etcd", "localhost"], "http://host:port"),
+        (["--etcd", "localhost"], "http://host:2379"),
         (["--config", "/nonexistent.toml"], "does not exist"),
     ],
 )

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+import meridian_etcd
 from controlplane.reconcile import fleet, windows
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
 from meridian_wire import keys
 from meridian_wire.models import FleetPlan, RegionDesired, RegionHealth, RegionLoad, RegionStatus
 from tests.support import EtcdServer, ManualClock
+from tests.support.etcd import client as etcd_client
 
 WINDOW_S = 30.0
 
@@ -35,7 +36,7 @@ def _settings(**failover: Any) -> ControllerSettings:
 
 
 async def _publish(
-    store: Store,
+    store: meridian_etcd.Store,
     clock: ManualClock,
     region: str,
     *,
@@ -67,14 +68,14 @@ async def _publish(
         await store.delete(keys.agent_alive(region, agent))
 
 
-async def _health(store: Store, region: str) -> RegionHealth:
+async def _health(store: meridian_etcd.Store, region: str) -> RegionHealth:
     entry = await store.get(keys.health(region))
     assert entry is not None
     return RegionHealth.model_validate_json(entry.value)
 
 
 async def _west_down_for_three_windows(
-    store: Store, clock: ManualClock, settings: ControllerSettings
+    store: meridian_etcd.Store, clock: ManualClock, settings: ControllerSettings
 ) -> list[tuple[str, int]]:
     """eu-west's (state, strikes) after each of three windows in which only the others publish."""
     states: list[tuple[str, int]] = []
@@ -85,14 +86,14 @@ async def _west_down_for_three_windows(
     return states
 
 
-async def _desired(store: Store, region: str) -> RegionDesired:
+async def _desired(store: meridian_etcd.Store, region: str) -> RegionDesired:
     entry = await store.get(keys.desired(region))
     assert entry is not None
     return RegionDesired.model_validate_json(entry.value)
 
 
 async def _window(
-    store: Store, clock: ManualClock, settings: ControllerSettings, *, up: list[str]
+    store: meridian_etcd.Store, clock: ManualClock, settings: ControllerSettings, *, up: list[str]
 ) -> windows.PassResult:
     """One window: the regions in ``up`` refresh their status, then the controller judges."""
     clock.t += WINDOW_S
@@ -105,7 +106,7 @@ ALL = ["eu-west", "eu-north", "us-east"]
 
 
 async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
-    store: Store,
+    store: meridian_etcd.Store,
 ) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
@@ -126,14 +127,16 @@ async def test_a_region_whose_agent_stops_is_failed_after_exactly_three_windows(
     plan = FleetPlan.model_validate_json(plan_entry.value)
     assert plan.serving["eu"] == {"eu-north": 1.0}
     # events record every strike and the state changes, with reasons
-    events = [json.loads(e.value) for e in await store.get_prefix(keys.EVENTS)]
+    events = [json.loads(e.value) for e in (await store.get_prefix(keys.EVENTS)).entries]
     kinds = [(e["kind"], e["region"]) for e in events if e["region"] == "eu-west"]
     assert kinds.count(("strike", "eu-west")) == 3
     assert ("failover", "eu-west") in kinds
     assert all(e["reason"] for e in events)
 
 
-async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(store: Store) -> None:
+async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(
+    store: meridian_etcd.Store,
+) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     desired = await _desired(store, "eu-north")
@@ -154,7 +157,9 @@ async def test_backup_floor_is_half_the_protected_capacity_and_follows_it_up(sto
     assert (await _desired(store, "eu-north")).capacity_floor >= 5.0
 
 
-async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(store: Store) -> None:
+async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(
+    store: meridian_etcd.Store,
+) -> None:
     clock = ManualClock()
     settings = _settings()
     # us-east has far more headroom; eu traffic must still stay in eu
@@ -178,7 +183,7 @@ async def test_residency_is_honoured_even_when_a_closer_bigger_region_exists(sto
     assert plan.alert is not None  # never all off: eu keeps its last answer, with an alert
 
 
-async def test_recovery_ramps_the_weight_back(store: Store) -> None:
+async def test_recovery_ramps_the_weight_back(store: meridian_etcd.Store) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     await store.delete(keys.agent_alive("eu-west", "a1"))
@@ -197,7 +202,7 @@ async def test_recovery_ramps_the_weight_back(store: Store) -> None:
 
 
 async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
-    store: Store, caplog: pytest.LogCaptureFixture
+    store: meridian_etcd.Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
@@ -213,7 +218,9 @@ async def test_a_malformed_status_is_reported_and_ignored_for_the_window(
     )
 
 
-async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Store) -> None:
+async def test_with_two_agents_one_stopping_does_not_fail_the_region(
+    store: meridian_etcd.Store,
+) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     await _publish(store, clock, "eu-west", agent="a2", in_flight=7)
@@ -240,7 +247,7 @@ async def test_with_two_agents_one_stopping_does_not_fail_the_region(store: Stor
     ]
 
 
-async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None:
+async def test_the_single_keys_of_older_agents_still_count(store: meridian_etcd.Store) -> None:
     """An agent from before per-agent keys writes regions/<r>/alive and /status."""
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=["eu-north", "us-east"])
@@ -262,7 +269,7 @@ async def test_the_single_keys_of_older_agents_still_count(store: Store) -> None
     assert set(record.agents) == {fleet.LEGACY_AGENT}
 
 
-async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
+async def test_a_new_pass_continues_from_the_stored_plan(store: meridian_etcd.Store) -> None:
     """What one leader judged, the next leader continues: state lives in etcd, not memory."""
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
@@ -270,7 +277,7 @@ async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
     await _window(store, clock, settings, up=["eu-north", "us-east"])
     await _window(store, clock, settings, up=["eu-north", "us-east"])
     # "another controller" (a fresh store and call) takes the third window
-    other = Store([store.endpoint])
+    other = etcd_client(store.endpoint)
     try:
         clock.t += WINDOW_S
         for region in ("eu-north", "us-east"):
@@ -281,7 +288,9 @@ async def test_a_new_pass_continues_from_the_stored_plan(store: Store) -> None:
     assert (await _health(store, "eu-west")).state == "failed"
 
 
-async def test_nothing_is_rewritten_when_nothing_changed(store: Store, etcd: EtcdServer) -> None:
+async def test_nothing_is_rewritten_when_nothing_changed(
+    store: meridian_etcd.Store, etcd: EtcdServer
+) -> None:
     clock, settings = ManualClock(), _settings()
     await _window(store, clock, settings, up=ALL)
     before = {k: (await store.get(k)) for k in (keys.health("eu-west"), keys.desired("eu-north"))}

@@ -20,10 +20,10 @@ from controlplane.api import keys as api_keys
 from controlplane.api.server import ADMIN_API
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
-from controlplane.store import Store
 from meridian_wire import keys
 from meridian_wire.models import RegionLoad, RegionStatus
 from tests.support import cancel_all, until
+from tests.support.etcd import client as etcd_client
 
 WINDOW_S = 0.5
 TOKENS = {"viewer": "viewer-secret-token", "operator": "operator-secret-token",
@@ -66,7 +66,7 @@ class Stack:
         self.runners: dict[str, web.AppRunner] = {}
         self.agents: list[asyncio.Task[None]] = []
         self.up = {r["id"]: True for r in REGIONS}
-        self.store = Store([etcd_url], timeout_s=1.0)
+        self.store = etcd_client(etcd_url, timeout_s=1.0)
 
     async def controller(self, name: str, **kwargs: Any) -> Controller:
         app = create_app(settings(self.etcd_url, name, **kwargs))
@@ -101,7 +101,7 @@ class Stack:
 
     async def _agent(self, region: str) -> None:
         info = next(r for r in REGIONS if r["id"] == region)
-        store = Store([self.etcd_url], timeout_s=1.0)
+        store = etcd_client(self.etcd_url, timeout_s=1.0)
         try:
             while True:
                 if self.up[region]:
@@ -128,7 +128,7 @@ class Stack:
         idempotency keys) and what agents write: for 'nothing changed' checks."""
         skip = (keys.AUDIT, keys.EVENTS, keys.PLAN, keys.LEADER, api_keys.IDEMPOTENCY)
         out = {}
-        for e in await self.store.get_prefix(keys.PREFIX):
+        for e in (await self.store.get_prefix(keys.PREFIX)).entries:
             if e.key.startswith(skip) or e.key.endswith(("/status", "/alive")):
                 continue
             out[e.key] = e.value
