@@ -22,13 +22,27 @@ import pydantic
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
 from controlplane.dns import bindconf
-from meridian_service import serving
+from meridian_service import serving, version
 
 log = logging.getLogger("meridian.controller")
 
 
+COMMANDS = """\
+commands:
+  meridian-controller [options]   with no command: run one replica (the options above)
+  meridian-controller dns bind-config [--config FILE] [--zone-dir DIR]
+                                  print the named.conf fragments for the [dns] settings
+                                  (docs/dns.md); meridian-controller dns --help for more
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meridian-controller", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="meridian-controller",
+        description=__doc__.split("\n")[0],
+        epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--etcd", help="etcd client URLs, comma-separated (etcd.endpoints)")
     p.add_argument("--config", type=Path, help="TOML settings file")
     p.add_argument("--window-s", type=float, help="health window, seconds (failover.window_s)")
@@ -43,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port", type=int, help="serve the admin API on this port; 0 picks one (api.port)"
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    version.add_flag(p)
     return p
 
 
@@ -110,10 +125,23 @@ def _load(
 
 def dns_main(argv: Sequence[str]) -> int:
     """``meridian-controller dns bind-config``: named.conf keys, views and zones for [dns]."""
-    p = argparse.ArgumentParser(prog="meridian-controller dns", description=dns_main.__doc__)
-    p.add_argument("command", choices=["bind-config"])
+    p = argparse.ArgumentParser(
+        prog="meridian-controller dns",
+        description="Print the named.conf fragments BIND needs for the controller's [dns] "
+        "settings: one TSIG key and one view per geography, each zone with its update-policy "
+        "(docs/dns.md). Reads only the settings: no etcd, nothing is served.",
+    )
+    p.add_argument(
+        "command",
+        choices=["bind-config"],
+        help="bind-config: print the fragments on standard output",
+    )
     p.add_argument("--config", type=Path, help="TOML settings file (its [dns] group)")
-    p.add_argument("--zone-dir", default="/var/lib/bind", help="where named keeps the zones")
+    p.add_argument(
+        "--zone-dir",
+        default="/var/lib/bind",
+        help="where named keeps the zones (default /var/lib/bind)",
+    )
     args = p.parse_args(argv)
     settings = _load(config_file=args.config)
     if settings is None:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from meridian_service import serving
+from meridian_service import serving, version
 from meridian_sim import fleet, node, profile, workloads
 from policies import routing
 
@@ -78,6 +78,7 @@ def _port(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meridian-sim", description=__doc__.split("\n")[0])
+    version.add_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     n = sub.add_parser("node", help="serve one simulated vLLM node (OpenAI API, /metrics)")
     n.add_argument("--port", type=_port, required=True, help="TCP port; 0 picks a free one")

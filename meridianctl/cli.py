@@ -1,8 +1,10 @@
 """``meridianctl``: see the fleet and move traffic by hand, safely.
 
 Every command is one call (or a dry run and a call) to the controller's admin API.  Actions
-need ``--reason`` and are audited by the controller; ``drain`` and ``failover`` show the plan
-and ask for confirmation unless ``--yes``.  Exit codes: ``meridianctl.errors``.
+(drain, undrain, failover, failback, policies set) need ``--reason`` and are audited by the
+controller; each shows what it would change and asks for confirmation unless ``--yes``, and
+refuses to run without ``--yes`` when standard input is not a terminal (nobody to ask: exit
+code 9, nothing sent).  Exit codes: ``meridianctl.errors``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import datetime
 import hashlib
 import json
 import secrets
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from importlib import metadata
 from typing import Any, TypeVar
 
 import click
@@ -21,6 +25,7 @@ from click.shell_completion import CompletionItem
 
 from meridian_wire.models import REGION_ID
 from meridianctl import config as ctl_config
+from meridianctl import shapes
 from meridianctl.client import Client
 from meridianctl.errors import CtlError, Exit
 
@@ -82,7 +87,7 @@ def _complete_regions(ctx: click.Context, param: click.Parameter, incomplete: st
         )
         client = Client(ctl_config.Config(**{**config.__dict__, "timeout_s": 2.0}))
         try:
-            rows = client.get("/v1/regions")["regions"]
+            rows = client.get("/v1/regions", shape=shapes.REGIONS)["regions"]
         finally:
             client.close()
     except (CtlError, KeyError, TypeError):
@@ -103,19 +108,35 @@ def _check_region(ctx: click.Context, param: click.Parameter, value: str | None)
 REGION = click.argument("region", callback=_check_region, shell_complete=_complete_regions)
 REASON = click.option("--reason", "-r", required=True, help="why (written to the audit log)")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="show the plan, change nothing")
-YES = click.option("--yes", "-y", is_flag=True, help="do not ask for confirmation")
+YES = click.option(
+    "--yes", "-y", is_flag=True,
+    help="apply without asking (needed when standard input is not a terminal)",
+)  # fmt: skip
+
+
+def _version() -> str:
+    """The installed ``meridian`` distribution's version, as the daemons' ``--version`` says
+    (meridian_service.version, which meridianctl may not import)."""
+    try:
+        return metadata.version("meridian")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--url", help="admin API URL [env MERIDIAN_URL; default http://127.0.0.1:8091]")
 @click.option("--token", help="bearer token [env MERIDIAN_TOKEN]")
 @click.option("--config", "config", help="TOML config file [env MERIDIANCTL_CONFIG]")
-@click.version_option("0.1.0", prog_name="meridianctl")
+@click.version_option(_version(), prog_name="meridianctl", message="%(prog)s %(version)s")
 def cli(url: str | None, token: str | None, config: str | None) -> None:
     """See the Meridian fleet and move traffic by hand: drain, failover, failback.
 
-    Exit codes: 0 done, 2 usage, 3 API unreachable, 4 not authenticated, 5 not allowed,
-    6 not found, 7 refused (nothing changed), 8 controller unavailable, 9 aborted.
+    Every action shows what it would change and asks before applying it, unless --yes
+    (required when standard input is not a terminal).
+
+    Exit codes: 0 done, 2 usage, 3 API unreachable or not the admin API, 4 not authenticated,
+    5 not allowed, 6 not found, 7 refused (nothing changed), 8 controller unavailable,
+    9 aborted (answered no, or no terminal to ask on and no --yes).
     """
 
 
@@ -169,7 +190,7 @@ def _json(data: Any) -> None:
 def status(ctx: click.Context, output: str) -> None:
     """Every region at a glance: state, strikes, capacity, load, weight, backup, floor."""
     with _client(ctx) as client:
-        data = client.get("/v1/regions")
+        data = client.get("/v1/regions", shape=shapes.REGIONS)
     if output == "json":
         _json(data)
         return
@@ -201,7 +222,7 @@ def regions() -> None:
 def regions_show(ctx: click.Context, region: str, output: str) -> None:
     """A region's state, why, its status, desired state and any operator override."""
     with _client(ctx) as client:
-        data = client.get(f"/v1/regions/{region}")
+        data = client.get(f"/v1/regions/{region}", shape=shapes.REGION)
     if output == "json":
         _json(data)
         return
@@ -234,7 +255,7 @@ def dns() -> None:
 def dns_show(ctx: click.Context, output: str) -> None:
     """The DNS plan the controller last applied."""
     with _client(ctx) as client:
-        data = client.get("/v1/dns")
+        data = client.get("/v1/dns", shape=shapes.DNS)
     applied = data.get("applied")
     if output == "json":
         _json(data)
@@ -291,7 +312,7 @@ def events(ctx: click.Context, follow: bool, region: str | None, limit: int, int
     seen = 0
     with _client(ctx) as client:
         while True:
-            data = client.get("/v1/events", params=params)
+            data = client.get("/v1/events", params=params, shape=shapes.EVENTS)
             for e in data["events"]:
                 click.echo(json.dumps(e, sort_keys=True) if output == "json" else _event_line(e))
                 seen += 1
@@ -314,7 +335,7 @@ def events(ctx: click.Context, follow: bool, region: str | None, limit: int, int
 def audit(ctx: click.Context, limit: int, output: str) -> None:
     """Who did what, when, why, and what came of it (operator token)."""
     with _client(ctx) as client:
-        data = client.get("/v1/audit", params={"limit": limit})
+        data = client.get("/v1/audit", params={"limit": limit}, shape=shapes.AUDIT)
     if output == "json":
         _json(data)
         return
@@ -332,7 +353,7 @@ def audit(ctx: click.Context, limit: int, output: str) -> None:
 def health(ctx: click.Context, output: str) -> None:
     """The controller replica behind the URL: leading or not, the leader, etcd."""
     with _client(ctx) as client:
-        data = client.get("/v1/health")
+        data = client.get("/v1/health", shape=shapes.HEALTH)
     if output == "json":
         _json(data)
         return
@@ -370,14 +391,34 @@ def _show_plan(result: dict[str, Any]) -> None:
     click.echo(f"audit {result['audit_id']}{tail}")
 
 
-def _act(ctx: click.Context, *, path: str, body: dict[str, Any], dry_run: bool, yes: bool,
-         confirm: bool, output: str) -> None:  # fmt: skip
+def _need_a_terminal(command: str) -> None:
+    """Asking needs someone to answer: without a terminal on standard input (a script, a
+    pipe, CI) refuse before anything is sent, rather than wait on a prompt or read a piped
+    answer that nobody checked against the plan."""
+    stdin = sys.stdin
+    if stdin is not None and stdin.isatty():
+        return
+    raise CtlError(
+        f"{command} asks for confirmation, but standard input is not a terminal; nothing was sent",
+        code=Exit.ABORTED,
+        fix="see the plan with --dry-run, then run the same command with --yes (-y)",
+    )
+
+
+def _confirm() -> None:
+    if not click.confirm("apply this?", default=False):
+        raise click.Abort()
+
+
+def _act(ctx: click.Context, *, command: str, path: str, body: dict[str, Any], dry_run: bool,
+         yes: bool, output: str) -> None:  # fmt: skip
+    ask = not dry_run and not yes
+    if ask:
+        _need_a_terminal(command)
     with _client(ctx) as client:
-        if confirm and not dry_run and not yes:
-            plan = client.post(path, body, dry_run=True)
-            _show_plan(plan)
-            if not click.confirm("apply this?", default=False):
-                raise click.Abort()
+        if ask:
+            _show_plan(client.post(path, body, dry_run=True))
+            _confirm()
         result = client.post(path, body, dry_run=dry_run)
     if output == "json":
         _json(result)
@@ -395,20 +436,22 @@ def _act(ctx: click.Context, *, path: str, body: dict[str, Any], dry_run: bool, 
 def drain(ctx: click.Context, region: str, reason: str, dry_run: bool, yes: bool,
           output: str) -> None:  # fmt: skip
     """Take REGION out of service: its traffic moves to its backup (asks unless --yes)."""
-    _act(ctx, path=f"/v1/regions/{region}/drain", body={"reason": reason}, dry_run=dry_run,
-         yes=yes, confirm=True, output=output)  # fmt: skip
+    _act(ctx, command="drain", path=f"/v1/regions/{region}/drain", body={"reason": reason},
+         dry_run=dry_run, yes=yes, output=output)  # fmt: skip
 
 
 @cli.command()
 @REGION
 @REASON
 @DRY_RUN
+@YES
 @_output
 @click.pass_context
-def undrain(ctx: click.Context, region: str, reason: str, dry_run: bool, output: str) -> None:
-    """End REGION's drain: it ramps back up as its health windows allow."""
-    _act(ctx, path=f"/v1/regions/{region}/undrain", body={"reason": reason}, dry_run=dry_run,
-         yes=True, confirm=False, output=output)  # fmt: skip
+def undrain(ctx: click.Context, region: str, reason: str, dry_run: bool, yes: bool,
+            output: str) -> None:  # fmt: skip
+    """End REGION's drain: it ramps back up as its health windows allow (asks unless --yes)."""
+    _act(ctx, command="undrain", path=f"/v1/regions/{region}/undrain",
+         body={"reason": reason}, dry_run=dry_run, yes=yes, output=output)  # fmt: skip
 
 
 @cli.command()
@@ -434,24 +477,28 @@ def undrain(ctx: click.Context, region: str, reason: str, dry_run: bool, output:
 @click.pass_context
 def failover(ctx: click.Context, region: str, target: str | None, reason: str, dry_run: bool,
              yes: bool, output: str) -> None:  # fmt: skip
-    """Manual failover: move a region's traffic to a compliant backup until `failback`."""
+    """Manual failover: move a region's traffic to a compliant backup until `failback`
+    (asks unless --yes)."""
     body: dict[str, Any] = {"reason": reason}
     if target:
         body["target"] = target
-    _act(ctx, path=f"/v1/regions/{region}/failover", body=body, dry_run=dry_run, yes=yes,
-         confirm=True, output=output)  # fmt: skip
+    _act(ctx, command="failover", path=f"/v1/regions/{region}/failover", body=body,
+         dry_run=dry_run, yes=yes, output=output)  # fmt: skip
 
 
 @cli.command()
 @REGION
 @REASON
 @DRY_RUN
+@YES
 @_output
 @click.pass_context
-def failback(ctx: click.Context, region: str, reason: str, dry_run: bool, output: str) -> None:
-    """End REGION's manual failover: it ramps back up as its health windows allow."""
-    _act(ctx, path=f"/v1/regions/{region}/failback", body={"reason": reason}, dry_run=dry_run,
-         yes=True, confirm=False, output=output)  # fmt: skip
+def failback(ctx: click.Context, region: str, reason: str, dry_run: bool, yes: bool,
+             output: str) -> None:  # fmt: skip
+    """End REGION's manual failover: it ramps back up as its health windows allow (asks
+    unless --yes)."""
+    _act(ctx, command="failback", path=f"/v1/regions/{region}/failback",
+         body={"reason": reason}, dry_run=dry_run, yes=yes, output=output)  # fmt: skip
 
 
 # -- policies -----------------------------------------------------------------------------------
@@ -468,18 +515,39 @@ def policies() -> None:
 def policies_get(ctx: click.Context, output: str) -> None:
     """The policy in force, and who set it."""
     with _client(ctx) as client:
-        data = client.get("/v1/policies")
+        data = client.get("/v1/policies", shape=shapes.POLICIES)
     if output == "json":
         _json(data)
         return
     for key, value in data["values"].items():
-        shown = ",".join(f"{v:g}" for v in value) if isinstance(value, list) else _fmt(value)
-        click.echo(f"{key:<22}{shown}")
+        click.echo(f"{key:<22}{_policy_shown(value)}")
     source = data["source"]
     if source == "etcd":
         click.echo(f"\nset by {data['by']}: {data['reason']}")
     else:
         click.echo("\nfrom the controller's settings")
+
+
+def _policy_shown(value: Any) -> str:
+    if value is None:  # ttft_p99_slo_s: not checked
+        return "off"
+    return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else _fmt(value)
+
+
+def _show_policy_change(before: dict[str, Any], after: dict[str, Any], *, dry_run: bool) -> None:
+    verb = "would" if dry_run else "did"
+    click.echo(f"policies: {verb} change")
+    changed = [k for k in after if before.get(k) != after[k]]
+    if not changed:
+        click.echo("  no value: each is already in force (only the reason and who set it)")
+    width = max((len(k) for k in changed), default=0)
+    for key in changed:
+        shown = _policy_shown(before[key]) if key in before else "-"
+        click.echo(f"  {key.ljust(width)}  {shown} -> {_policy_shown(after[key])}")
+    if dry_run:
+        click.echo("(dry run: nothing changed)")
+    else:
+        click.echo("the leader applies them from its next window")
 
 
 def _policy_value(key: str, raw: str) -> tuple[str, Any]:
@@ -502,11 +570,15 @@ def _policy_value(key: str, raw: str) -> tuple[str, Any]:
 @policies.command("set")
 @click.argument("assignments", nargs=-1, required=True, metavar="KEY=VALUE...")
 @REASON
+@DRY_RUN
+@YES
 @_output
 @click.pass_context
-def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str,
-                 output: str) -> None:  # fmt: skip
+def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str, dry_run: bool,
+                 yes: bool, output: str) -> None:  # fmt: skip
     """Change the policy (admin token); the leader applies it from the next window.
+
+    Shows each value that would change and asks unless --yes; --dry-run only shows them.
 
     Keys: window_s, strikes, recovery_windows, ramp (e.g. 0.05,0.25,0.5,1), min_hold_s,
     status_stale_s, min_healthy_fraction, max_error_rate, ttft_p99_slo_s (or off),
@@ -519,12 +591,20 @@ def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str,
             raise click.BadParameter(f"{item!r} is not KEY=VALUE")
         k, v = _policy_value(key.strip(), raw.strip())
         body[k] = v
+    ask = not dry_run and not yes
+    if ask:
+        _need_a_terminal("policies set")
     with _client(ctx) as client:
-        data = client.put("/v1/policies", body)
+        before = client.get("/v1/policies", shape=shapes.POLICIES)["values"]
+        if ask:
+            plan = client.put("/v1/policies", body, dry_run=True)
+            _show_policy_change(before, plan["values"], dry_run=True)
+            _confirm()
+        data = client.put("/v1/policies", body, dry_run=dry_run)
     if output == "json":
         _json(data)
     else:
-        click.echo("policies set; the leader applies them from its next window")
+        _show_policy_change(before, data["values"], dry_run=dry_run)
 
 
 # -- tokens -------------------------------------------------------------------------------------

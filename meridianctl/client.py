@@ -1,4 +1,10 @@
-"""The admin API over HTTP (httpx): the one place that turns HTTP failures into exit codes."""
+"""The admin API over HTTP (httpx): the one place that turns HTTP failures into exit codes.
+
+Every answer is checked for what the admin API answers: a JSON body of the route's shape
+(meridianctl/shapes.py) or, for an error, an RFC 9457 problem.  Anything else means the URL
+points at some other server (an agent, a node, etcd, a proxy's error page), reported with
+what came back and exit code 3, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from meridianctl import shapes
 from meridianctl.config import Config
 from meridianctl.errors import CtlError, Exit, for_status
 
@@ -50,21 +57,38 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def get(self, path: str, params: dict[str, Any] | None = None) -> Any:
-        return self._send("GET", path, params=params).json()
+    def get(
+        self, path: str, params: dict[str, Any] | None = None, *, shape: shapes.Shape
+    ) -> dict[str, Any]:
+        """The JSON answer, checked against ``shape`` (meridianctl/shapes.py)."""
+        return _answer(self._send("GET", path, params=params), shape)
 
     def text(self, path: str) -> str:
-        return self._send("GET", path).text
+        response = self._send("GET", path)
+        if _media_type(response) != "text/plain":
+            raise _not_the_admin_api(response, "the admin API answers text/plain here")
+        return response.text
 
-    def post(self, path: str, body: dict[str, Any], *, dry_run: bool = False) -> Any:
+    def post(
+        self, path: str, body: dict[str, Any], *, dry_run: bool = False,
+        shape: shapes.Shape = shapes.ACTION,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self._write("POST", path, body, dry_run=dry_run, shape=shape)
+
+    def put(
+        self, path: str, body: dict[str, Any], *, dry_run: bool = False,
+        shape: shapes.Shape = shapes.POLICIES,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self._write("PUT", path, body, dry_run=dry_run, shape=shape)
+
+    def _write(
+        self, method: str, path: str, body: dict[str, Any], *, dry_run: bool, shape: shapes.Shape
+    ) -> dict[str, Any]:
         # one key per command, kept across its retries: the controller applies it once
         headers = {"Idempotency-Key": str(uuid.uuid4())}
         params = {"dry_run": "true"} if dry_run else None
-        return self._send("POST", path, json=body, params=params, headers=headers).json()
-
-    def put(self, path: str, body: dict[str, Any]) -> Any:
-        headers = {"Idempotency-Key": str(uuid.uuid4())}
-        return self._send("PUT", path, json=body, headers=headers).json()
+        response = self._send(method, path, json=body, params=params, headers=headers)
+        return _answer(response, shape)
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         # only a write with an Idempotency-Key may be sent twice (reads are safe)
@@ -127,19 +151,59 @@ def _why(exc: httpx.TransportError) -> str:
     return text
 
 
+ADMIN_PORT_FIX = (
+    "point MERIDIAN_URL (or --url) at the controller's admin API: the port given to "
+    "meridian-controller --admin-port (api.port; http://127.0.0.1:8091 by default), not its "
+    "--port, an agent, a node or etcd"
+)
+
+
+def _media_type(response: httpx.Response) -> str:
+    kind = str(response.headers.get("content-type", ""))
+    return kind.split(";")[0].strip().lower()
+
+
+def _not_the_admin_api(response: httpx.Response, why: str) -> CtlError:
+    """What came back, from a server that is not the admin API (exit code 3)."""
+    request = response.request
+    kind = response.headers.get("content-type") or "no content type"
+    reason = f" {response.reason_phrase}" if response.reason_phrase else ""
+    message = (
+        f"{request.url.copy_with(query=None)} is not the controller's admin API: "
+        f"{request.method} answered {response.status_code}{reason} ({kind}); {why}"
+    )
+    body = " ".join(response.content[:160].decode("utf-8", "replace").split())
+    if body:
+        message += f"\n  it answered: {body}" + ("..." if len(response.content) > 160 else "")
+    return CtlError(message, code=Exit.UNREACHABLE, fix=ADMIN_PORT_FIX)
+
+
+def _answer(response: httpx.Response, shape: shapes.Shape) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        raise _not_the_admin_api(response, "the body is not JSON") from None
+    why = shapes.mismatch(data, shape)
+    if why is not None:
+        raise _not_the_admin_api(response, f"not the admin API's answer ({why})")
+    assert isinstance(data, dict)  # every shape of an answer is an object
+    return data
+
+
 def _problem(response: httpx.Response) -> CtlError:
+    """The admin API's RFC 9457 problem as an error to print; any other error body means the
+    URL points at another server."""
     status = response.status_code
     try:
         body = response.json()
     except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    detail = str(body.get("detail") or response.text[:200] or response.reason_phrase)
-    title = str(body.get("title") or response.reason_phrase)
+        body = None
+    if shapes.mismatch(body, shapes.PROBLEM) is not None:
+        return _not_the_admin_api(response, "an error that is not the admin API's problem+json")
+    assert isinstance(body, dict)
+    message = f"{body['title']} ({status}): {body['detail']}"
     errors = body.get("errors") or []
-    message = f"{title} ({status}): {detail}"
-    if errors and isinstance(errors, list):
+    if errors:
         message += "".join(f"\n  - {e}" for e in errors)
     fix = str(body.get("fix") or "")
     if status == 401 and not fix:

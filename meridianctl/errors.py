@@ -6,13 +6,15 @@ code  meaning
 0     done
 1     meridianctl itself failed (a bug: please report it)
 2     usage: a bad command, option or argument (nothing was sent)
-3     the admin API could not be reached (URL, network, TLS)
+3     the admin API could not be reached (URL, network, TLS), or what answered at the URL is
+      not the admin API (not JSON, JSON of another shape, an error that is not a problem+json)
 4     not authenticated (401): no token, or a token the controller does not know
 5     not allowed (403): the token's role may not do this
 6     not found (404): unknown region
-7     refused (400, 409, 422): bad input or an unsafe action; nothing was changed
+7     refused (400, 405, 409, 422): bad input or an unsafe action; nothing was changed
 8     the controller is unavailable or failed (5xx): no leader, etcd down; retry
-9     aborted at the confirmation prompt; nothing was sent
+9     aborted: answered no at the confirmation prompt, or an action without ``--yes`` whose
+      standard input is not a terminal (nothing was sent); nothing was changed
 ====  =====================================================================================
 """
 

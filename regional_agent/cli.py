@@ -24,7 +24,7 @@ from typing import Any
 
 import pydantic
 
-from meridian_service import serving
+from meridian_service import serving, version
 from meridian_service import settings as settings_loading
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to do with the controller's capacity floor (autoscaler.actuator)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    version.add_flag(p)
     return p
 
 

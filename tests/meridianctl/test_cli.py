@@ -1,5 +1,6 @@
 """meridianctl against a real controller and real etcd: every command, its output, its exit
-codes, confirmation, and the 'done when' of issue 7."""
+codes, confirmation (on a real terminal: a pty), servers that are not the admin API, and the
+'done when' of issue 7."""
 
 from __future__ import annotations
 
@@ -7,22 +8,29 @@ import asyncio
 import hashlib
 import json
 import os
+import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
-from controlplane.api.settings import TokenEntry
+from controlplane.settings.api import TokenEntry
 from meridian_wire import keys
 from meridian_wire.models import DnsApplied, DnsRecord, DnsViewApplied, RegionHealth
 from meridianctl import config as ctl_config
 from meridianctl.cli import cli
 from meridianctl.errors import CtlError, Exit
-from tests.meridianctl.conftest import Ctl
-from tests.meridianctl.stack import REGIONS, Stack, token_settings
+from tests.conftest import NodeFactory
+from tests.meridianctl.conftest import Ctl, Ran
+from tests.meridianctl.stack import REGIONS, TOKENS, Stack, token_settings
 from tests.support import EtcdServer, free_port
+from tests.support.agent import AgentFactory
+
+MERIDIANCTL = str(Path(sys.executable).parent / "meridianctl")
 
 
 async def _state(stack: Stack, region: str) -> str:
@@ -62,7 +70,7 @@ async def test_failover_dry_run_apply_and_failback(stack: Stack, ctl: Ctl) -> No
     audit = await ctl("audit")
     assert audit.code == 0 and "failover" in audit.out and "applied" in audit.out
 
-    back = await ctl("failback", "eu-west", "--reason", "fixed")
+    back = await ctl("failback", "eu-west", "--reason", "fixed", "--yes")
     assert back.code == 0, back.err
     for _ in range(100):
         if await _state(stack, "eu-west") == "healthy":
@@ -71,14 +79,102 @@ async def test_failover_dry_run_apply_and_failback(stack: Stack, ctl: Ctl) -> No
     assert await _state(stack, "eu-west") == "healthy"
 
 
-async def test_confirmation_is_asked_and_no_aborts(stack: Stack, ctl: Ctl) -> None:
-    before = await stack.snapshot()
-    ran = await ctl("drain", "us-east", "--reason", "maintenance", input="n\n")
-    assert ran.code == 9 and "apply this?" in ran.out and "nothing was changed" in ran.err
-    assert await stack.snapshot() == before
-    ran = await ctl("drain", "us-east", "--reason", "maintenance", input="y\n")
-    assert ran.code == 0, ran.err
-    assert await _state(stack, "us-east") == "drained"
+async def _audit(stack: Stack) -> list[dict[str, Any]]:
+    """The audit log, oldest first: every action, dry runs too, lands in it."""
+    snapshot = await stack.store.get_prefix(keys.AUDIT)
+    return [json.loads(e.value) for e in sorted(snapshot.entries, key=lambda e: e.key)]
+
+
+def _applied(audit: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [a for a in audit if a["result"] == "applied"]
+
+
+def _env(stack: Stack, role: str) -> dict[str, str]:
+    env = {**os.environ, "MERIDIAN_URL": stack.url("ctl-a"), "MERIDIAN_TOKEN": TOKENS[role],
+           "MERIDIAN_RETRY_S": "0"}  # fmt: skip
+    env.pop("MERIDIANCTL_CONFIG", None)
+    return env
+
+
+def _on_a_terminal(args: list[str], env: dict[str, str], typed: str) -> Ran:
+    """meridianctl as a process whose standard input is a terminal (a pty) on which ``typed``
+    is typed, as an operator at a shell runs it."""
+    main, tty = pty.openpty()
+    try:
+        proc = subprocess.Popen([MERIDIANCTL, *args], stdin=tty, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    finally:
+        os.close(tty)
+    try:
+        os.write(main, typed.encode())
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        os.close(main)
+    return Ran(proc.returncode, out, err)
+
+
+# every action, in an order in which each applies to the state the one before left
+ACTIONS: tuple[tuple[list[str], str, str], ...] = (
+    (["drain", "us-east", "--reason", "maintenance"], "operator", "drain"),
+    (["undrain", "us-east", "--reason", "maintenance done"], "operator", "undrain"),
+    (["failover", "--from", "eu-west", "--reason", "INC-1"], "operator", "failover"),
+    (["failback", "eu-west", "--reason", "INC-1 fixed"], "operator", "failback"),
+    (["policies", "set", "strikes=4", "--reason", "tuning"], "admin", "policies"),
+)
+
+
+async def test_every_action_asks_on_a_terminal_and_no_changes_nothing(stack: Stack) -> None:
+    for args, role, action in ACTIONS:
+        applied = _applied(await _audit(stack))
+        no = await asyncio.to_thread(_on_a_terminal, args, _env(stack, role), "n\n")
+        assert no.code == 9, (args, no.out, no.err)
+        assert "would change" in no.out and "apply this? [y/N]" in no.out, (args, no.out)
+        assert "aborted: nothing was changed" in no.err
+        assert _applied(await _audit(stack)) == applied, args
+        yes = await asyncio.to_thread(_on_a_terminal, args, _env(stack, role), "y\n")
+        assert yes.code == 0, (args, yes.out, yes.err)
+        assert "apply this? [y/N]" in yes.out and "did change" in yes.out, (args, yes.out)
+        now = _applied(await _audit(stack))
+        assert len(now) == len(applied) + 1 and now[-1]["action"] == action, (args, now[-1])
+
+
+async def test_without_a_terminal_no_action_runs_without_yes_and_nothing_is_sent(
+    stack: Stack, ctl: Ctl
+) -> None:
+    audit = await _audit(stack)
+    for args, role, _ in ACTIONS:
+        # a piped answer is not a confirmation: nobody saw the plan
+        ran = await ctl(*args, role=role, input="y\n")
+        assert ran.code == 9, (args, ran.out, ran.err)
+        command = " ".join(args[:2]) if args[0] == "policies" else args[0]
+        assert ran.err.splitlines()[0] == (
+            f"meridianctl: {command} asks for confirmation, but standard input is not a "
+            "terminal; nothing was sent"
+        )
+        assert "--dry-run" in ran.err and "--yes (-y)" in ran.err and ran.out == ""
+    # not even the dry run that shows the plan was sent: each one is audited
+    assert await _audit(stack) == audit
+    # a process whose standard input is a pipe that stays open does not wait on it
+    proc = await asyncio.to_thread(
+        subprocess.Popen, [MERIDIANCTL, "failover", "--from", "eu-west", "--reason", "x"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=_env(stack, "operator"), text=True,
+    )  # fmt: skip
+    try:
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = await asyncio.to_thread(proc.communicate)
+    assert code == 9 and "not a terminal" in err
+    assert await _audit(stack) == audit
+    for args, role, _ in ACTIONS:
+        done = await ctl(*args, "--yes", role=role)
+        assert done.code == 0 and "did change" in done.out, (args, done.out, done.err)
 
 
 async def test_exit_codes(stack: Stack, ctl: Ctl) -> None:
@@ -96,9 +192,10 @@ async def test_exit_codes(stack: Stack, ctl: Ctl) -> None:
     assert usage.code == 2
     bad_key = await ctl("policies", "set", "nonsense=1", "--reason", "x", role="admin")
     assert bad_key.code == 2 and "window_s" in bad_key.err
-    out_of_range = await ctl("policies", "set", "strikes=0", "--reason", "x", role="admin")
+    out_of_range = await ctl("policies", "set", "strikes=0", "--reason", "x", "--yes",
+                             role="admin")  # fmt: skip
     assert out_of_range.code == 7 and "strikes" in out_of_range.err
-    not_admin = await ctl("policies", "set", "strikes=4", "--reason", "x")
+    not_admin = await ctl("policies", "set", "strikes=4", "--reason", "x", "--yes")
     assert not_admin.code == 5
     assert await stack.snapshot() == before
 
@@ -117,9 +214,19 @@ async def test_unreachable_api_exits_3(ctl: Ctl) -> None:
 async def test_policies_dns_events_health(stack: Stack, ctl: Ctl) -> None:
     got = await ctl("policies", "get", role="viewer")
     assert got.code == 0 and "strikes" in got.out and "settings" in got.out
+    before = await stack.snapshot()
+    dry = await ctl("policies", "set", "strikes=4", "ramp=0.1,0.5,1", "--reason", "tuning",
+                    "--dry-run", role="admin")  # fmt: skip
+    assert dry.code == 0, dry.err
+    assert dry.out.splitlines()[0] == "policies: would change"
+    assert re.search(r"^  strikes\s+3 -> 4$", dry.out, re.M), dry.out
+    assert re.search(r"^  ramp\s+0.05,0.25,0.5,1 -> 0.1,0.5,1$", dry.out, re.M), dry.out
+    assert "window_s" not in dry.out and "(dry run: nothing changed)" in dry.out
+    assert await stack.snapshot() == before
     done = await ctl("policies", "set", "strikes=4", "ramp=0.1,0.5,1", "ttft_p99_slo_s=off",
-                     "--reason", "tuning", role="admin")  # fmt: skip
+                     "--reason", "tuning", "--yes", role="admin")  # fmt: skip
     assert done.code == 0, done.err
+    assert "policies: did change" in done.out and "next window" in done.out
     data = json.loads((await ctl("policies", "get", "-o", "json", role="viewer")).out)
     assert data["values"]["strikes"] == 4 and data["values"]["ramp"] == [0.1, 0.5, 1.0]
     assert data["values"]["ttft_p99_slo_s"] is None and data["by"] == "admin-user"
@@ -251,8 +358,8 @@ async def test_a_drain_during_a_leader_handover_is_retried_and_applied_once(
     answers 503, and meridianctl retries (same key) until the new leader applies it."""
     stack = Stack(etcd.url)
     stack.start_agents()
-    dead = await stack.store.grant(3)
-    await stack.store.claim(keys.LEADER, b"ctl-dead", dead)
+    dead = await stack.store.grant(ttl_s=3)
+    await stack.store.claim(keys.LEADER, b"ctl-dead", lease=dead)
     try:
         await stack.controller("ctl-b")
         env = {"MERIDIAN_URL": stack.url("ctl-b"), "MERIDIAN_TOKEN": "operator-secret-token",
@@ -261,8 +368,8 @@ async def test_a_drain_during_a_leader_handover_is_retried_and_applied_once(
         ran = await asyncio.to_thread(CliRunner().invoke, cli, args, env=env)
         assert ran.exit_code == 0, (ran.stdout, ran.stderr)
         assert "retrying in" in ran.stderr and "ctl-dead" in ran.stderr
-        audit = [e for e in await stack.store.get_prefix(keys.AUDIT) if b'"drain"' in e.value]
-        assert len(audit) == 1 and b'"applied"' in audit[0].value
+        audit = [e for e in await _audit(stack) if e["action"] == "drain"]
+        assert len(audit) == 1 and audit[0]["result"] == "applied"
     finally:
         await stack.close()
 
@@ -284,3 +391,61 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error() -> None:
         with pytest.raises(CtlError, match="MERIDIAN_TIMEOUT_S") as caught:
             ctl_config.load(env={"MERIDIAN_TIMEOUT_S": bad})
         assert caught.value.code == Exit.USAGE
+
+
+# a read, a region, the text route, an action and the PUT: each asks another route
+NOT_ADMIN_COMMANDS: tuple[list[str], ...] = (
+    ["status"],
+    ["regions", "show", "eu-west"],
+    ["health"],
+    ["dns", "bind-config"],
+    ["drain", "eu-west", "--reason", "x", "--yes"],
+    ["policies", "set", "strikes=4", "--reason", "x", "--yes"],
+)
+
+
+async def _ctl_at(url: str, *args: str) -> Ran:
+    env = {"MERIDIAN_URL": url, "MERIDIAN_TOKEN": TOKENS["admin"], "MERIDIANCTL_CONFIG": None,
+           "MERIDIAN_RETRY_S": "0"}  # fmt: skip
+
+    def invoke() -> Ran:
+        result = CliRunner().invoke(cli, list(args), env=env)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception  # a traceback: what this test is about
+        return Ran(result.exit_code, result.stdout, result.stderr)
+
+    return await asyncio.to_thread(invoke)
+
+
+async def test_a_server_that_is_not_the_admin_api_is_named_with_what_it_answered(
+    etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """meridianctl pointed at a real node, a real agent and etcd's client port: one message
+    that names the URL, the status and content type, and the admin port; exit code 3."""
+    node = await sim_node()
+    agent = await start_agent([node])
+    servers = {
+        "a meridian-sim node": (node, "404 Not Found (application/json"),
+        "an agent": (agent.url, "404 Not Found (application/json"),
+        "etcd's client port": (etcd.url, "404 Not Found (text/plain"),
+    }
+    for what, (url, answered) in servers.items():
+        for args in NOT_ADMIN_COMMANDS:
+            ran = await _ctl_at(url, *args)
+            assert ran.code == 3, (what, args, ran.out, ran.err)
+            first = ran.err.splitlines()[0]
+            assert first.startswith(f"meridianctl: {url}/v1/"), (what, args, first)
+            assert "is not the controller's admin API" in first and answered in first, first
+            assert "what to do: point MERIDIAN_URL (or --url) at the controller's admin API" in (
+                ran.err
+            )
+            assert "--admin-port" in ran.err and ran.out == ""
+    # the process an operator runs: the same message, no traceback
+    env = {**os.environ, "MERIDIAN_URL": etcd.url, "MERIDIAN_TOKEN": "x", "MERIDIAN_RETRY_S": "0"}
+    done = await asyncio.to_thread(
+        subprocess.run, [MERIDIANCTL, "status"], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"meridianctl: {etcd.url}/v1/regions is not the controller's")
+    assert "404 page not found" in done.stderr
