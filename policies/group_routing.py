@@ -38,7 +38,7 @@ class GroupRoutingConfig:
     """The policy's knobs (the agent's ``group_tables`` settings)."""
 
     n_buckets: int = groups.DEFAULT_BUCKETS
-    key_blocks: int = groups.DEFAULT_KEY_BLOCKS
+    key_blocks: int = 64  # as the agent's group_tables.key_blocks
     move_abs_threshold: float = 16.0
     move_rel_threshold: float = 1.5
     memory_keys: int = 100_000  # keys whose last GPU the policy remembers (LRU)

@@ -66,6 +66,7 @@ from policies.model import NodeId, NodeView, RequestView, Telemetry
 
 POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, group_routing.NAME, "oracle")
 MODEL: Final = "model"
+_GROUP_KEY_TOKENS: Final = 1024
 
 _ARRIVE: Final = 0
 _STEP_END: Final = 1
@@ -333,7 +334,12 @@ class Fleet:
     def _make_policy(self, tables: group_routing.LocalTables) -> routing.Policy:
         cfg = self.config
         if cfg.policy == group_routing.NAME:
-            config = group_routing.GroupRoutingConfig(block_tokens=cfg.prefix_block_tokens)
+            # a prefix key over the prompt's first 1,024 tokens, as the agent's default
+            # (group_tables.key_blocks 64 of routing.prefix_block_tokens 16)
+            config = group_routing.GroupRoutingConfig(
+                block_tokens=cfg.prefix_block_tokens,
+                key_blocks=max(1, _GROUP_KEY_TOKENS // cfg.prefix_block_tokens),
+            )
             return group_routing.GroupPolicy(tables, config)
         if cfg.policy != "oracle":
             return routing.create(cfg.policy, cfg.routing)
