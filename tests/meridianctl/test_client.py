@@ -186,14 +186,22 @@ class Canned:
 @pytest.fixture
 def canned(request: pytest.FixtureRequest) -> Iterator[Canned]:
     server = Canned(*request.param)
-    thread = threading.Thread(target=server.server.serve_forever, daemon=True)
+    server.server.timeout = 0.05  # handle_request() returns after this long with nothing to do
+    stop = threading.Event()
+
+    def serve() -> None:  # not serve_forever: its shutdown() hung once in a loaded CI run
+        while not stop.is_set():
+            server.server.handle_request()
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         yield server
     finally:
-        server.server.shutdown()
+        stop.set()
+        thread.join(timeout=10)
         server.server.server_close()
-        thread.join()
+        assert not thread.is_alive(), "the canned server did not stop"
 
 
 PROXY_500 = b"<h1>Internal Server Error</h1>"
