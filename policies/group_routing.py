@@ -12,7 +12,9 @@ region.  Either way, the policy sees them through the small :class:`Tables` prot
   the group is far busier per GPU than the least-loaded one, in which case the bucket moves
   (``Tables.move``: the move is published to the other agents);
 * inside the group, ``groups.choose_member`` picks a GPU with no shared state: the GPU this
-  agent last sent the key to, else rendezvous order under the load guard.
+  agent last sent the key to, else rendezvous order under the load guard;
+* a node on probation gets its trial request as under every policy
+  (``routing.ProbationTrials``).
 
 Pure like every policy: no I/O, no clock (``now`` is passed), no global random (``rng``).
 """
@@ -43,6 +45,7 @@ class GroupRoutingConfig:
     move_rel_threshold: float = 1.5
     memory_keys: int = 100_000  # keys whose last GPU the policy remembers (LRU)
     block_tokens: int = 16  # tokens per block of the request's block hashes
+    probation_every: int = 16  # as routing.RoutingConfig.probation_every
 
 
 class Tables(Protocol):
@@ -86,6 +89,7 @@ class GroupPolicy:
             abs_threshold=config.move_abs_threshold, rel_threshold=config.move_rel_threshold
         )
         self._memory: collections.OrderedDict[int, NodeId] = collections.OrderedDict()
+        self._trials = routing.ProbationTrials(config.probation_every)
 
     def key_of(self, request: RequestView) -> tuple[Kind, int] | None:
         if request.session_key:
@@ -107,6 +111,9 @@ class GroupPolicy:
         ready = routing.candidates(request, nodes)
         if not ready:
             return Decision(node=None, reason="groups: no node can take it now")
+        trial = self._trials.pick(ready)
+        if trial is not None:
+            return trial
         tables = self.tables
         tables.sync()
         keyed = self.key_of(request)

@@ -40,7 +40,8 @@ reason says so; it is ejected at its next failure once a place is free.  UNHEALT
 count against the cap: a failing ``/health`` is not an outlier verdict.
 
 **Panic** (:func:`panic`, Envoy's panic threshold): when fewer than ``panic_threshold`` (default
-0.5; 0 turns it off) of the active (not draining) nodes are routable (HEALTHY or PROBATION),
+0.5; 0 turns it off) of the active (not draining) nodes are HEALTHY — a node on PROBATION has one
+slot and a trial request now and then, no capacity to count on —
 health verdicts are more likely wrong than the fleet: slow probes on a loaded host, or one bad
 signal shared by every node.  Then :func:`routing_views` routes over every active node as if it
 were HEALTHY (full share, no probation limit) rather than squeezing all traffic onto the few left
@@ -167,8 +168,8 @@ def may_eject(states: Collection[Health], *, max_fraction: float) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Panic:
-    """Whether the pool is in panic: ``routable`` of its ``active`` (not draining) nodes are
-    HEALTHY or PROBATION, against ``threshold`` of them."""
+    """Whether the pool is in panic: ``routable`` of its ``eligible`` (active, not draining)
+    nodes are HEALTHY, against ``threshold`` of them (PROBATION does not count: one slot)."""
 
     active: bool
     routable: int
@@ -181,12 +182,12 @@ def panic(nodes: Sequence[NodeView], *, threshold: float) -> Panic:
     """Panic when fewer than ``threshold`` of the active nodes are routable (see the module
     docstring); never with ``threshold`` 0 or without active nodes."""
     eligible = [n for n in nodes if n.admin is AdminState.ACTIVE]
-    routable = sum(1 for n in eligible if n.routable)
+    routable = sum(1 for n in eligible if n.health is Health.HEALTHY)
     share = routable / len(eligible) if eligible else 1.0
     active = bool(eligible) and threshold > 0 and share + _EPSILON < threshold
     verdict = "panic: routing to every active node as if healthy" if active else "no panic"
     reason = (
-        f"{verdict} ({routable} of {len(eligible)} active nodes routable, "
+        f"{verdict} ({routable} of {len(eligible)} active nodes healthy, "
         f"{share:.0%} against a threshold of {threshold:.0%})"
     )
     return Panic(

@@ -13,6 +13,14 @@ Every policy first narrows the pool to :func:`candidates` (routable, serves the 
 slot) and returns ``Decision(node=None, reason=...)`` when none is left, so no policy can route
 to a draining, ejected or unhealthy node, to one that does not serve the model or to a full one.
 
+**Probation trials** (every policy, :class:`ProbationTrials`): a node back from an ejection is on
+PROBATION with one slot until a request succeeds there, and a policy's own preferences (a
+probation penalty, a tiny share, a cached prefix elsewhere) may never pick it, so it would stay
+out for good.  So a candidate on probation is given the request whenever ``probation_every``
+decisions have passed since the last trial (or since it became a candidate): each such node gets
+a trial within that many requests whatever the policy and the load, as Envoy's half-open hosts
+do.  A success makes it HEALTHY, and slow start ramps it up from there.
+
 Shared definitions (the docs call them by these names):
 
 ``load``
@@ -123,6 +131,9 @@ class RoutingConfig:
     """Least ``warm`` a node gets, so a node admitted at ``slow_start`` 0 still takes a trickle."""
     probation_share: float = 0.5
     """Traffic share of a node on probation relative to a healthy one (it has one slot too)."""
+    probation_every: int = 16
+    """A candidate on probation gets the request once this many decisions have passed without a
+    trial: re-admission within a bounded number of requests, whatever the policy."""
 
     # meridian: cost = sum of weighted terms, lowest wins (see docs/agent.md)
     meridian_prefix_weight: float = 1.0
@@ -175,6 +186,8 @@ class RoutingConfig:
             raise ValueError("RoutingConfig.slow_start_floor must be in (0, 1]")
         if not 0 < self.probation_share <= 1:
             raise ValueError("RoutingConfig.probation_share must be in (0, 1]")
+        if self.probation_every < 1:
+            raise ValueError("RoutingConfig.probation_every must be at least 1")
 
 
 class Policy(Protocol):
@@ -296,16 +309,53 @@ def _kv(node: NodeView) -> str:
     return "?" if node.telemetry is None else f"{node.telemetry.kv_util:.0%}"
 
 
+class ProbationTrials:
+    """Every ``every`` decisions with a candidate on probation, one goes to such a candidate
+    (the one waiting longest, then by id): see the module docstring."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"probation trials every {every} decisions: must be at least 1")
+        self._every = every
+        self._waited = 0  # decisions since the last trial while a candidate was on probation
+        self._first_seen: dict[NodeId, int] = {}  # candidate on probation -> decision number
+        self._decisions = 0
+
+    def pick(self, ready: Sequence[NodeView]) -> Decision | None:
+        """The trial this decision makes, or ``None``; call once per decision with the
+        candidates."""
+        self._decisions += 1
+        waiting = [n for n in ready if n.health is Health.PROBATION]
+        if not waiting:
+            self._waited = 0
+            self._first_seen.clear()
+            return None
+        seen = {n.node_id for n in waiting}
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k in seen}
+        for n in waiting:
+            self._first_seen.setdefault(n.node_id, self._decisions)
+        self._waited += 1
+        if self._waited < self._every:
+            return None
+        self._waited = 0
+        pick = min(waiting, key=lambda n: (self._first_seen[n.node_id], n.node_id))
+        return Decision(
+            node=pick.node_id,
+            reason=f"probation trial: one request in {self._every} goes to a node on probation",
+        )
+
+
 # --- policies -------------------------------------------------------------------------------
 
 
 class _Base:
-    """Narrows to candidates, then asks :meth:`_choose`; no state unless a subclass keeps some."""
+    """Narrows to candidates, gives a probation trial its turn, then asks :meth:`_choose`."""
 
     name: str = ""
 
     def __init__(self, config: RoutingConfig) -> None:
         self._config = config
+        self._trials = ProbationTrials(config.probation_every)
 
     def choose(
         self,
@@ -318,6 +368,9 @@ class _Base:
         ready = candidates(request, nodes)
         if not ready:
             return _no_candidates(request, nodes)
+        trial = self._trials.pick(ready)
+        if trial is not None:
+            return trial
         return self._choose(request, ready, now=now, rng=rng)
 
     def _choose(
@@ -563,6 +616,9 @@ class _Session(_Base):
         ready = candidates(request, nodes)
         if not ready:
             return _no_candidates(request, nodes)
+        trial = self._trials.pick(ready)
+        if trial is not None:
+            return trial
         if request.session_key is None:
             pick, load = _least_loaded(ready, self._config, rng)
             return Decision(node=pick.node_id, reason=f"session: no key, least load {load}")

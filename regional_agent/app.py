@@ -84,7 +84,11 @@ def create_app(
             membership=lambda: {n.node_id: (GroupId(n.group or n.node_id), n.weight) for n in pool},
         )
         group_policy = GroupPolicy(
-            group_tables, group_tables.config(block_tokens=settings.routing.prefix_block_tokens)
+            group_tables,
+            group_tables.config(
+                block_tokens=settings.routing.prefix_block_tokens,
+                probation_every=config.probation_every,
+            ),
         )
         policy = group_policy
     else:

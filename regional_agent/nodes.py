@@ -4,7 +4,7 @@ accounting of what it has in flight there.
 Health and telemetry live with their owners (``health.HealthMonitor``,
 ``telemetry.Scraper``); :meth:`NodePool.views` joins all three into the frozen
 ``policies.model.NodeView`` snapshots that routing decides over.  When fewer than
-``panic_threshold`` of the active nodes are routable, the pool is in panic
+``panic_threshold`` of the active nodes are healthy, the pool is in panic
 (``policies.health.panic``) and :meth:`NodePool.views` shows every active node as healthy;
 :meth:`NodePool.observed` and :meth:`NodePool.serving` always tell the observed health.  Entering
 and leaving panic is logged once each, as a WARNING.  Whoever changes something a

@@ -339,6 +339,7 @@ class Fleet:
             config = group_routing.GroupRoutingConfig(
                 block_tokens=cfg.prefix_block_tokens,
                 key_blocks=max(1, _GROUP_KEY_TOKENS // cfg.prefix_block_tokens),
+                probation_every=cfg.routing.probation_every,
             )
             return group_routing.GroupPolicy(tables, config)
         if cfg.policy != "oracle":

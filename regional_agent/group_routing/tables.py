@@ -85,10 +85,11 @@ class GroupTables:
         self.reads = 0  # tables rebuilt from what etcd holds
         self.sync()
 
-    def config(self, *, block_tokens: int) -> GroupRoutingConfig:
+    def config(self, *, block_tokens: int, probation_every: int = 16) -> GroupRoutingConfig:
         """The ``groups`` policy's knobs from these tables' settings."""
         s = self.settings
         return GroupRoutingConfig(
+            probation_every=probation_every,
             n_buckets=s.n_buckets,
             key_blocks=s.key_blocks,
             move_abs_threshold=s.move_abs_threshold,

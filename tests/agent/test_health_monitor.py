@@ -423,3 +423,35 @@ async def test_without_panic_traffic_is_squeezed_onto_the_healthy_node(
             await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
     nodes = await admin_nodes(handle.url, ADMIN)
     assert [int(nodes[u]["requests_total"]) for u in urls] == [4, 0, 0]
+
+
+async def test_a_recovered_node_is_re_admitted_under_light_load_with_the_default_policy(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """The fault-probe finding: with ``meridian``, a node back from an ejection sat on probation
+    for good (30k requests, none to it).  Now a probation trial reaches it within
+    ``probation_every`` requests, it succeeds, and the node is HEALTHY again."""
+    urls = [await sim_node(profile_name="cpu-tiny", time_scale=20, seed=i) for i in range(3)]
+    handle = await start_agent(
+        urls,
+        policy="meridian",
+        health={"eject_consecutive_errors": 2, "eject_base_s": 1.0, "max_ejected_fraction": 0.5},
+        retry={"max_attempts": 3},
+        routing={"tuning": {"probation_every": 8}},
+    )
+    await _faults(urls[2], {"error_rate": 1.0, "error_status": 500})
+    pool, clock = handle.edge.pool, handle.edge.clock
+    bad = next(n.node_id for n in pool if n.url == urls[2])
+    async with openai_client(handle.url) as client:
+        while pool.health.state(bad, now=clock.now()) is not Health.EJECTED:
+            await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        await _faults(urls[2], None)  # it recovers while ejected
+        await _until(pool, lambda: pool.health.state(bad, now=clock.now()) is Health.PROBATION)
+        before = pool.get(bad).requests_total  # type: ignore[union-attr]
+        for _ in range(8):  # one at a time: light load, the other two nodes idle
+            await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    node = pool.get(bad)
+    assert node is not None and node.requests_total == before + 1  # its trial
+    assert pool.health.state(bad, now=clock.now()) is Health.HEALTHY
+    decisions = [d for d in node.decisions if "probation trial" in d]
+    assert decisions, list(node.decisions)

@@ -511,7 +511,9 @@ def _views(*nodes: tuple[AdminState, Health]) -> list[NodeView]:
         ([(ACTIVE, H)] + [(ACTIVE, U)] * 7, 0.5, True),  # the benchmark: 7 of 8 unhealthy
         ([(ACTIVE, U)] * 8, 0.5, True),
         ([(ACTIVE, U)] * 8, 0.0, False),  # 0 turns panic off
-        ([(ACTIVE, P), (ACTIVE, E)], 0.5, False),  # probation is routable
+        ([(ACTIVE, P), (ACTIVE, E)], 0.5, True),  # probation is one slot, no capacity
+        ([(ACTIVE, H), (ACTIVE, P)], 0.5, False),  # half healthy: no panic
+        ([(ACTIVE, H)] + [(ACTIVE, P)] * 3, 0.5, True),  # a blip put most on probation
         ([(ACTIVE, E)] * 3 + [(ACTIVE, H)], 0.5, True),  # ejected is not
         ([(ACTIVE, H)] * 2 + [(DRAINING, U)] * 6, 0.5, False),  # draining nodes do not count
         ([(DRAINING, H)] * 3, 0.5, False),  # no active node: nothing to panic over
@@ -532,7 +534,7 @@ def test_panic(nodes: list[tuple[AdminState, Health]], threshold: float, active:
 def test_routing_views_in_panic_show_active_nodes_healthy_and_keep_drained_out() -> None:
     views = _views((ACTIVE, H), (ACTIVE, U), (ACTIVE, E), (ACTIVE, P), (DRAINING, U))
     decision = health.panic(views, threshold=0.6)
-    assert decision.active and decision.routable == 2 and decision.eligible == 4
+    assert decision.active and decision.routable == 1 and decision.eligible == 4  # healthy ones
     routed = health.routing_views(views, decision)
     assert [v.health for v in routed] == [H, H, H, H, U]
     assert [v.routable for v in routed] == [True, True, True, True, False]

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import prompt, routing
+from policies import group_routing, prompt, routing
+from policies.groups import GroupId
 from policies.model import AdminState, Decision, Health, NodeId, NodeView, RequestView, Telemetry
 
 CONFIG = routing.RoutingConfig()
@@ -662,3 +663,74 @@ def test_session_bound_with_equal_nodes_is_mirrokni(size: int, m: int, factor: f
     decision = choose(routing.create("session", config), req(session_key="k"), pool)
     chosen = next(n for n in pool if n.node_id == decision.node)
     assert chosen.in_flight < bound
+
+
+# --- re-admission: a node on probation gets its trial under every policy ----------------------
+
+
+def _every_policy(config: routing.RoutingConfig) -> list[routing.Policy]:
+    out = [routing.create(name, config) for name in routing.NAMES]
+    tables = group_routing.LocalTables({NodeId(f"n{i}"): (GroupId(f"n{i}"), 1.0) for i in range(9)})
+    grouped = group_routing.GroupRoutingConfig(
+        n_buckets=256, block_tokens=1, probation_every=config.probation_every
+    )
+    out.append(group_routing.GroupPolicy(tables, grouped))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    healthy=st.integers(1, 8),
+    busy=st.lists(st.integers(0, 63), min_size=8, max_size=8),
+    every=st.integers(1, 40),
+    seed=st.integers(0, 2**32),
+    sessions=st.booleans(),
+)
+def test_a_node_on_probation_gets_a_request_within_probation_every_decisions(
+    healthy: int, busy: list[int], every: int, seed: int, sessions: bool
+) -> None:
+    """Whatever the policy, the load and the prompts: the first ``probation_every`` decisions
+    after a recovered node is back on probation include one to it (it is a candidate: it serves
+    the model and its one slot is free).  Before trials, ``meridian`` never picked it."""
+    config = routing.RoutingConfig(probation_every=every)
+    rng = random.Random(seed)
+    for policy in _every_policy(config):
+        nodes = [
+            node(f"n{i}", in_flight=busy[i], telemetry=tel(waiting=busy[i] // 8, kv=0.1))
+            for i in range(healthy)
+        ]
+        back = node("n8", health=Health.PROBATION, slow_start=0.1)
+        picked_at = None
+        for i in range(every):
+            key = f"s{rng.randrange(4)}" if sessions else None
+            request = req(
+                block_hashes=blocks(1, 2, rng.randrange(3)), block_tokens=1, session_key=key
+            )
+            decision = choose(policy, request, [*nodes, back], seed=rng.randrange(2**32))
+            assert decision.node is not None, decision.reason
+            if decision.node == back.node_id:
+                picked_at = i
+                break
+            policy.observe_routed(request, decision.node, now=0.0)
+            nodes = [
+                dataclasses.replace(n, in_flight=min(n.in_flight + 1, 63))
+                if n.node_id == decision.node
+                else n
+                for n in nodes
+            ]
+        assert picked_at is not None, f"{policy.name}: no trial in {every} decisions"
+
+
+def test_trials_go_to_the_node_waiting_longest_and_stop_when_none_waits() -> None:
+    trials = routing.ProbationTrials(2)
+    a, b = node("a", health=Health.PROBATION), node("b", health=Health.PROBATION)
+    h = node("h")
+    assert trials.pick([h, b]) is None  # b waits from decision 1
+    got = trials.pick([h, a, b])
+    assert got is not None and got.node == "b" and "probation trial" in got.reason
+    assert trials.pick([h, a]) is None
+    got = trials.pick([h, a])
+    assert got is not None and got.node == "a"
+    assert trials.pick([h]) is None and trials.pick([h, a]) is None  # the count starts again
+    with pytest.raises(ValueError, match="at least 1"):
+        routing.RoutingConfig(probation_every=0)
