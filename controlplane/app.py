@@ -38,9 +38,16 @@ class Controller:
     store: etcd.Store
     election: Election
     last_pass: windows.PassResult | None = None
-    etcd_ok: bool = True
+    window_etcd_ok: bool = True  # the leader's window loop: did its last pass reach etcd
     passes: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def etcd_ok(self) -> bool:
+        """Whether etcd answers this replica, leader or not: its election's own calls (every
+        replica claims or keeps its lease every TTL/3) and, while leading, the window loop."""
+        leading = self.election.leading
+        return self.election.etcd_ok is not False and (self.window_etcd_ok or not leading)
 
     async def lead(self, fence: etcd.Fence) -> None:
         """The leader's work: one reconcile pass per window until leadership ends.
@@ -70,15 +77,15 @@ class Controller:
                     judge=judge,
                 )
                 self.passes += 1
-                if not self.etcd_ok:
+                if not self.window_etcd_ok:
                     log.warning("etcd reachable again: a grace window, then judging resumes")
-                self.etcd_ok = True
+                self.window_etcd_ok = True
                 judge = True
                 dns.poke()
             except etcd.Unavailable as exc:
-                if self.etcd_ok:
+                if self.window_etcd_ok:
                     log.warning("etcd unavailable: changing nothing (fail static) error=%s", exc)
-                self.etcd_ok = False
+                self.window_etcd_ok = False
                 judge = False
                 await asyncio.sleep(min(1.0, window_s))
                 continue

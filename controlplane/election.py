@@ -5,7 +5,11 @@ transaction that succeeds only if the key does not exist).  The replica whose ke
 the others poll until the key disappears (its holder stopped keeping its lease alive).
 
 The leader keeps its lease alive every ``ttl/3``.  If it cannot for longer than the TTL — etcd
-unreachable, or the lease gone — it stops its leader work and campaigns again.  Its writes are
+unreachable, or the lease gone — it stops its leader work and campaigns again.  A leader that
+stepped down only because etcd did not answer keeps its lease and fence: etcd restores leases
+with their full TTL when it comes back, so the leader key is still its own, and its first
+campaign once etcd answers resumes leading on them (the same fence: nothing another replica
+wrote can be overwritten) instead of waiting a whole TTL for its own key to expire.  Its writes are
 fenced: each carries the leader key's create revision and value as it was at election
 (``meridian_etcd.Fence``), so if another replica has been elected in the meantime the write is
 refused by etcd itself, even before the old leader notices.
@@ -39,6 +43,7 @@ class Election:
         self.fence: etcd.Fence | None = None
         self.leader: str | None = None  # who leads, as last seen
         self.etcd_ok: bool | None = None  # whether etcd answered the last call (None: not yet)
+        self._kept: tuple[etcd.Lease, etcd.Fence] | None = None  # see _resume
 
     @property
     def leading(self) -> bool:
@@ -78,39 +83,74 @@ class Election:
         self.etcd_ok = False
 
     async def _campaign(self, work: LeaderWork) -> None:
-        lease = await self._store.grant(ttl_s=self._ttl_s)
-        holder = await self._store.claim(keys.LEADER, self.identity.encode(), lease=lease)
-        self._etcd_answered()
-        if holder is None:  # expired between the claim and the read: the next round tries again
-            return
-        if holder.lease != lease.id:
-            if self.leader != holder.value.decode():
-                self.leader = holder.value.decode()
-                log.info("election: following leader=%s me=%s", self.leader, self.identity)
-            with contextlib.suppress(etcd.EtcdError):
-                await self._store.revoke(lease)
-            await asyncio.sleep(self._ttl_s / 3)
-            return
+        resumed = await self._resume()
+        if resumed is not None:
+            lease, holder = resumed
+        else:
+            lease = await self._store.grant(ttl_s=self._ttl_s)
+            claimed = await self._store.claim(keys.LEADER, self.identity.encode(), lease=lease)
+            self._etcd_answered()
+            if claimed is None:  # expired between the claim and the read: try again next round
+                return
+            holder = claimed
+            if holder.lease != lease.id:
+                if self.leader != holder.value.decode():
+                    self.leader = holder.value.decode()
+                    log.info("election: following leader=%s me=%s", self.leader, self.identity)
+                with contextlib.suppress(etcd.EtcdError):
+                    await self._store.revoke(lease)
+                await asyncio.sleep(self._ttl_s / 3)
+                return
         self.fence = etcd.Fence(
             key=keys.LEADER, value=holder.value, create_revision=holder.create_revision
         )
         self.leader = self.identity
         log.info(
-            "election: leading me=%s revision=%d ttl_s=%d",
-            self.identity, holder.create_revision, self._ttl_s,
+            "election: %s me=%s revision=%d ttl_s=%d",
+            "leading again" if resumed else "leading", self.identity, holder.create_revision,
+            self._ttl_s,
         )  # fmt: skip
         task = asyncio.create_task(work(self.fence), name="meridian-controller-leader")
+        kept = False
         try:
-            await self._hold(lease, task)
+            kept = await self._hold(lease, task)
         finally:
+            self._kept = (lease, self.fence) if kept else None
             self.fence = None
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             log.info("election: stepped down me=%s", self.identity)
 
-    async def _hold(self, lease: etcd.Lease, task: asyncio.Task[None]) -> None:
-        """Keep the lease alive while the leader work runs; return when leadership is lost."""
+    async def _resume(self) -> tuple[etcd.Lease, etcd.Entry] | None:
+        """The lease and leader key this replica stepped down from while etcd did not answer,
+        if both are still its own now that etcd answers; else ``None`` (and they are let go)."""
+        if self._kept is None:
+            return None
+        lease, fence = self._kept
+        try:
+            await self._store.keep_alive(lease)
+        except etcd.LeaseLost:
+            self._kept = None  # it expired after all: campaign afresh
+            return None
+        holder = await self._store.get(keys.LEADER)
+        self._etcd_answered()
+        if (
+            holder is None
+            or holder.lease != lease.id
+            or holder.create_revision != fence.create_revision
+            or holder.value != fence.value
+        ):
+            self._kept = None
+            with contextlib.suppress(etcd.EtcdError):
+                await self._store.revoke(lease)
+            return None
+        self._kept = None
+        return lease, holder
+
+    async def _hold(self, lease: etcd.Lease, task: asyncio.Task[None]) -> bool:
+        """Keep the lease alive while the leader work runs; return when leadership is lost:
+        ``True`` when etcd stopped answering (the lease may still be ours), else ``False``."""
         last_ok = self._clock.now()
         while not task.done():
             await asyncio.sleep(self._ttl_s / 3)
@@ -118,12 +158,16 @@ class Election:
                 await self._store.keep_alive(lease)
             except etcd.LeaseLost:
                 log.warning("election: the lease expired")
-                return
+                return False
             except etcd.EtcdError as exc:
                 self._etcd_failed(exc)
                 if self._clock.now() - last_ok >= self._ttl_s:
-                    log.warning("election: lease not renewed for a whole TTL error=%s", exc)
-                    return
+                    log.warning(
+                        "election: lease not renewed for a whole TTL error=%s: stepping down, "
+                        "resuming on the same lease if it is still ours when etcd answers",
+                        exc,
+                    )
+                    return True
                 continue
             self._etcd_answered()
             last_ok = self._clock.now()
@@ -131,10 +175,11 @@ class Election:
             log.error("leader work ended cancelled; campaigning again")
         elif task.exception() is not None:
             log.error("leader work crashed", exc_info=task.exception())
+        return True  # the lease is still ours: the next campaign resumes on it
 
     async def resign(self) -> None:
         """Give up leadership at once (clean shutdown): delete the key if it is still ours."""
-        fence = self.fence
+        fence = self.fence or (self._kept[1] if self._kept is not None else None)
         if fence is None:
             return
         with contextlib.suppress(etcd.EtcdError):

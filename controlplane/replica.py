@@ -20,5 +20,9 @@ class Replica(Protocol):
     clock: Clock
     store: etcd.Store
     election: Election
-    etcd_ok: bool
     last_pass: windows.PassResult | None
+
+    @property
+    def etcd_ok(self) -> bool:
+        """Whether etcd answers this replica now (each replica tracks its own)."""
+        ...

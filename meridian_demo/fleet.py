@@ -273,6 +273,7 @@ class Fleet:
                 "recovery_windows = 2",
                 f"min_hold_s = {2 * self.window_s}",
                 f"status_stale_s = {3 * self.window_s}",
+                f"agent_heartbeat_s = {self.window_s}",  # MERIDIAN_AGENT_REGION__WINDOW_S
                 "",
                 *self.dns_toml(),
                 "[api]",

@@ -45,7 +45,7 @@ from controlplane.api.problems import ApiProblem, Conflict, Invalid, NotFound, U
 from controlplane.election import Election
 from controlplane.errors import ControllerError
 from controlplane.reconcile import windows
-from controlplane.settings import ControllerSettings
+from controlplane.settings import ControllerSettings, stale_problem
 from meridian_service.clock import Clock
 from meridian_wire import keys
 from meridian_wire.models import RegionOverride
@@ -453,7 +453,7 @@ async def current_policies(settings: ControllerSettings, store: etcd.Store) -> P
 
 
 def merge(
-    values: failover_policy.PolicyValues, update: PoliciesUpdate
+    values: failover_policy.PolicyValues, update: PoliciesUpdate, *, agent_heartbeat_s: float
 ) -> failover_policy.PolicyValues:
     changed = update.model_dump(exclude_none=True, exclude={"reason", "ttft_check"})
     merged = values.model_dump()
@@ -465,6 +465,11 @@ def merge(
     try:
         out = failover_policy.PolicyValues.model_validate(merged)
         failover_policy.config_of(out)
+        problem = stale_problem(
+            status_stale_s=out.status_stale_s, agent_heartbeat_s=agent_heartbeat_s
+        )
+        if problem is not None:
+            raise ValueError(problem)
     except (pydantic.ValidationError, ValueError) as exc:
         raise Invalid(
             f"these policies are not valid: {_plain(exc)}; nothing was changed",
@@ -483,7 +488,9 @@ async def set_policies(leader: Leader, req: Request, update: PoliciesUpdate) -> 
     async def work(fence: etcd.Fence, audit_id: str) -> Reply:
         now = leader.clock.now()
         view = await current_policies(leader.settings, leader.store)
-        values = merge(view.values, update)
+        values = merge(
+            view.values, update, agent_heartbeat_s=leader.settings.failover.agent_heartbeat_s
+        )
         stored = failover_policy.StoredPolicies(
             values=values, reason=req.reason, by=req.caller.name, at=now
         )

@@ -53,6 +53,21 @@ class ElectionSettings(_Group):
     )
 
 
+def stale_problem(*, status_stale_s: float, agent_heartbeat_s: float) -> str | None:
+    """Why ``status_stale_s`` cannot work with agents that heartbeat every
+    ``agent_heartbeat_s``, or ``None``.  An idle agent's status is up to a heartbeat old when
+    judged, plus its debounce and retries: a stale limit under two heartbeats fails healthy idle
+    regions now and then (a limit of 10 s against the default 30 s heartbeat failed both eu
+    regions 13 times in 10 minutes)."""
+    if status_stale_s >= 2 * agent_heartbeat_s:
+        return None
+    return (
+        f"failover.status_stale_s ({status_stale_s:g} s) must be at least twice "
+        f"failover.agent_heartbeat_s ({agent_heartbeat_s:g} s, the agents' region.window_s): "
+        f"raise status_stale_s to {2 * agent_heartbeat_s:g} or more, or lower both heartbeats"
+    )
+
+
 class FailoverSettings(_Group):
     window_s: float = Field(30.0, gt=0, description="length of a health window, seconds")
     strikes: int = Field(3, ge=1, description="consecutive failed windows before failed")
@@ -63,7 +78,16 @@ class FailoverSettings(_Group):
     )
     min_hold_s: float = Field(60.0, ge=0, description="least time in failed before recovering")
     status_stale_s: float = Field(
-        60.0, gt=0, description="a region status older than this fails the window (seconds)"
+        60.0,
+        gt=0,
+        description="a region status older than this fails the window (seconds); at least "
+        "twice agent_heartbeat_s",
+    )
+    agent_heartbeat_s: float = Field(
+        30.0,
+        gt=0,
+        description="how often an idle agent rewrites its status (the agents' region.window_s); "
+        "status_stale_s must be at least twice this, or idle regions flap",
     )
     min_healthy_fraction: float = Field(
         0.5, ge=0, le=1, description="a window fails below this share of healthy nodes"
@@ -75,6 +99,15 @@ class FailoverSettings(_Group):
     prewarm_fraction: float = Field(
         0.5, ge=0, le=1, description="backup capacity floor, as a share of what it protects"
     )
+
+    @model_validator(mode="after")
+    def _stale_after_heartbeats(self) -> FailoverSettings:
+        problem = stale_problem(
+            status_stale_s=self.status_stale_s, agent_heartbeat_s=self.agent_heartbeat_s
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @field_validator("ramp")
     @classmethod

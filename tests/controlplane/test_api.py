@@ -293,6 +293,8 @@ async def test_bad_input_is_refused_with_what_to_do_and_nothing_changes(
         ("/v1/policies", "PUT", {"reason": "x", "ramp": [0.5, 0.2, 1.0]}, 422, ""),
         ("/v1/policies", "PUT", {"reason": "x", "ramp": [0.5, 0.9]}, 422, ""),
         ("/v1/policies", "PUT", {"reason": "x", "window_s": -1}, 422, ""),
+        ("/v1/policies", "PUT", {"reason": "x", "status_stale_s": 1.5}, 422,
+         "at least twice failover.agent_heartbeat_s"),
         ("/v1/events?limit=zero", "GET", None, 400, "limit"),
         ("/v1/nowhere", "GET", None, 404, "openapi"),
     ]  # fmt: skip

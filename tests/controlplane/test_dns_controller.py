@@ -63,7 +63,12 @@ class Stack:
         settings = ControllerSettings(
             etcd={"endpoints": [self.etcd.url], "timeout_s": 1.0},
             election={"id": "ctl-dns", "lease_ttl_s": 2},
-            failover={"window_s": WINDOW_S, "status_stale_s": 5.0, "min_hold_s": 0.0},
+            failover={
+                "window_s": WINDOW_S,
+                "status_stale_s": 5.0,
+                "agent_heartbeat_s": 1.0,
+                "min_hold_s": 0.0,
+            },
             regions=REGIONS,
             dns=dns_settings(self.bind),
         )  # type: ignore[arg-type]

@@ -40,7 +40,12 @@ def _settings(endpoints: list[str], name: str, **extra: Any) -> ControllerSettin
     return ControllerSettings(
         etcd={"endpoints": endpoints, "timeout_s": 1.0},
         election={"id": name, "lease_ttl_s": 2},
-        failover={"window_s": WINDOW_S, "status_stale_s": 5.0, "min_hold_s": 0.0},
+        failover={
+            "window_s": WINDOW_S,
+            "status_stale_s": 5.0,
+            "agent_heartbeat_s": 1.0,
+            "min_hold_s": 0.0,
+        },
         regions=list(REGIONS),
         server={"port": 0},
         **extra,
@@ -205,5 +210,37 @@ async def test_etcd_down_entirely_fails_static_then_converges(
                 assert h.state == "healthy", h  # the outage earned nobody a strike
                 assert h.strikes == 0
             assert c.last_pass is not None and c.last_pass.window > window_before
+        finally:
+            again.process.stop()
+
+
+async def test_after_an_etcd_outage_the_leader_resumes_on_its_own_key_and_every_replica_knows(
+    tmp_path: Path, fleet_factory: Callable[[list[str]], Fleet]
+) -> None:
+    """The fault probe's finding: both replicas' /health said etcd "ok" during an outage (only
+    the leader's window loop noticed), and after etcd came back nobody led for another TTL
+    (the old leader waited for its own key to expire).  Now every replica reports etcd down,
+    and the leader resumes on the same key, lease and fence as soon as etcd answers."""
+    with start_etcd(tmp_path) as etcd:
+        fleet = fleet_factory([etcd.url])
+        fleet.start_agents()
+        a = await fleet.controller("ctl-a")
+        await until(lambda: a.election.leading and a.passes >= 2, 10, "a leads")
+        b = await fleet.controller("ctl-b")
+        await until(lambda: b.election.leader == "ctl-a" and b.etcd_ok, 10, "b follows a")
+        fence = a.election.fence
+        assert fence is not None
+        etcd.process.kill()
+        await until(lambda: not a.etcd_ok and not b.etcd_ok, 10, "both replicas notice")
+        await until(lambda: not a.election.leading, 10, "a steps down: it cannot renew")
+        again = relaunch(etcd)
+        try:
+            await until(lambda: a.election.leading, 20, "a leads again")
+            assert a.election.fence == fence  # the same key: resumed, not re-elected
+            assert b.election.leader == "ctl-a" or b.election.leader is None
+            await until(lambda: a.etcd_ok and b.etcd_ok, 10, "both see etcd again")
+            passes = a.passes
+            await until(lambda: a.passes >= passes + 2, 10, "windows after the outage")
+            assert not b.election.leading
         finally:
             again.process.stop()

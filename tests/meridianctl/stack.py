@@ -51,7 +51,13 @@ def settings(
     return ControllerSettings(
         etcd={"endpoints": [etcd_url], "timeout_s": 1.0},
         election={"id": name, "lease_ttl_s": 2},
-        failover={"window_s": WINDOW_S, "status_stale_s": 5.0, "min_hold_s": 0.0, **failover},
+        failover={
+            "window_s": WINDOW_S,
+            "status_stale_s": 5.0,
+            "agent_heartbeat_s": 1.0,
+            "min_hold_s": 0.0,
+            **failover,
+        },
         regions=list(REGIONS),
         server={"port": 0},
         api=api,
