@@ -66,6 +66,7 @@ class Controller:
     async def _windows(self, fence: etcd.Fence, dns: steering.Poke) -> None:
         window_s = self.settings.failover.window_s
         judge = False
+        freshness = windows.Freshness()  # what this leadership has seen change
         while True:
             started = self.clock.now()
             try:
@@ -75,6 +76,7 @@ class Controller:
                     settings=self.settings,
                     clock=self.clock,
                     judge=judge,
+                    freshness=freshness,
                 )
                 self.passes += 1
                 if not self.window_etcd_ok:

@@ -22,9 +22,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,17 @@ class PassResult:
     events: int
     alert: str | None
     recheck_after_s: float
+
+
+def _age(
+    region: str, status: RegionStatus | None, *, now: float, freshness: Freshness | None
+) -> float | None:
+    if status is None:
+        return None
+    wall_age_s = max(0.0, now - status.updated_at)
+    if freshness is None:
+        return wall_age_s
+    return freshness.age_s(region, updated_at=status.updated_at, wall_age_s=wall_age_s)
 
 
 def topology_from(
@@ -156,6 +168,30 @@ class Prepared:
     events: list[Event] = field(default_factory=list)
 
 
+class Freshness:
+    """How long each region's status has stood unchanged, by this replica's own monotonic
+    clock: the status age a pass judges is the smaller of this and ``now - updated_at``.
+
+    ``updated_at`` is the agent's wall clock and ``now`` the controller's: a clock step on
+    either host (NTP correcting a drifted VM, a leap) makes every status look stale or fresh at
+    once.  A status that keeps changing is fresh whatever the clocks say; one that stopped
+    changing ages at the rate of this replica's monotonic clock, which never steps.  A replica
+    that just started leading has seen nothing yet, so it reads every status as fresh for up to
+    ``status_stale_s`` (its first pass judges nothing anyway)."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._seen: dict[str, tuple[float, float]] = {}  # region -> (updated_at, first seen)
+
+    def age_s(self, region: str, *, updated_at: float, wall_age_s: float) -> float:
+        now = self._monotonic()
+        seen = self._seen.get(region)
+        if seen is None or seen[0] != updated_at:
+            self._seen[region] = (updated_at, now)
+            return 0.0  # it changed since the last look (or this replica never saw it)
+        return min(wall_age_s, now - seen[1])
+
+
 async def reconcile_once(
     *,
     store: etcd.Store,
@@ -163,12 +199,14 @@ async def reconcile_once(
     settings: ControllerSettings,
     clock: Clock,
     judge: bool = True,
+    freshness: Freshness | None = None,
 ) -> PassResult:
     controller = fence.value.decode() if fence is not None else ""
     async with pass_lock(store):
         prepared = await prepare(
-            store=store, settings=settings, clock=clock, judge=judge, controller=controller
-        )
+            store=store, settings=settings, clock=clock, judge=judge, controller=controller,
+            freshness=freshness,
+        )  # fmt: skip
         return await commit(prepared, store=store, fence=fence, settings=settings)
 
 
@@ -180,9 +218,12 @@ async def prepare(
     judge: bool = True,
     overrides: Mapping[str, RegionOverride | None] | None = None,
     controller: str = "",
+    freshness: Freshness | None = None,
 ) -> Prepared:
     """Read the fleet and plan, writing nothing.  ``overrides`` replaces regions' operator
-    overrides (``None``: cleared) as if they were stored: the plan of an admin action."""
+    overrides (``None``: cleared) as if they were stored: the plan of an admin action.
+    ``freshness``: the window loop's memory of when each status last changed (``None``: judge
+    ages by the wall clocks alone)."""
     now = clock.now()
     view = await fleet.read(store)
     for region, replaced in (overrides or {}).items():
@@ -210,7 +251,7 @@ async def prepare(
                 region=RegionId(region),
                 alive=record.alive,
                 status=_snapshot(status) if status is not None else None,
-                status_age_s=max(0.0, now - status.updated_at) if status is not None else None,
+                status_age_s=_age(region, status, now=now, freshness=freshness),
                 admin=override.admin if override is not None else "active",
                 manual_failover=bool(override is not None and override.failover),
                 failover_target=RegionId(target) if target and target in topology.regions else None,

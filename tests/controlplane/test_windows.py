@@ -300,3 +300,42 @@ async def test_nothing_is_rewritten_when_nothing_changed(
         assert before[key] is not None and after[key] is not None
         assert before[key].mod_revision == after[key].mod_revision  # type: ignore[union-attr]
     assert result.writes == 1  # the plan (window counter) only
+
+
+async def test_a_clock_step_on_the_controller_fails_no_region_a_stopped_status_still_ages(
+    store: meridian_etcd.Store,
+) -> None:
+    """The controller's wall clock jumps an hour ahead (NTP fixing a drifted VM): every status
+    is an hour old by the wall clocks.  The window loop's own monotonic memory says they keep
+    changing, so nobody fails; a status that stops changing still ages and fails its windows."""
+    settings = _settings()
+    agents = ManualClock()  # the agents' wall clock
+    controller = ManualClock(agents.t)
+    mono = ManualClock(0.0)
+    freshness = windows.Freshness(monotonic=mono.now)
+
+    async def window(up: list[str]) -> None:
+        agents.t += WINDOW_S
+        controller.t += WINDOW_S
+        mono.t += WINDOW_S
+        for region in up:
+            await _publish(store, agents, region)
+        await windows.reconcile_once(
+            store=store, fence=None, settings=settings, clock=controller, freshness=freshness
+        )
+
+    for _ in range(2):
+        await window(ALL)
+    controller.t += 3600.0  # the step
+    for _ in range(4):
+        await window(ALL)
+    for region in ALL:
+        h = await _health(store, region)
+        assert (h.state, h.strikes) == ("healthy", 0), (region, h)
+    # eu-west's agent stays alive but its status stops changing: it ages by the monotonic clock
+    for _ in range(5):  # stale after 60 s (two windows), then three strikes
+        await window(["eu-north", "us-east"])
+        await store.put(keys.agent_alive("eu-west", "a1"), b"")
+    west = await _health(store, "eu-west")
+    assert west.state == "failed" and "status" in west.reason, west
+    assert (await _health(store, "eu-north")).state == "healthy"
