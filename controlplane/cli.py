@@ -22,7 +22,7 @@ import pydantic
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
 from controlplane.dns import bindconf
-from meridian_service import serving, version
+from meridian_service import logs, serving, version
 
 log = logging.getLogger("meridian.controller")
 
@@ -99,7 +99,11 @@ async def _serve(settings: controller_settings.ControllerSettings) -> None:
         )  # fmt: skip
 
     await serving.serve(
-        create_app(settings), host=settings.server.host, port=settings.server.port, on_ready=ready
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        limits=settings.server.limits(),
+        on_ready=ready,
     )
 
 
@@ -162,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    logs.install()  # a malformed HTTP request: one short line, rate-limited, not a traceback
     settings = _load(config_file=args.config, overrides=overrides(args))
     if settings is None:
         return 2

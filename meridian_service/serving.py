@@ -9,6 +9,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from meridian_service import hygiene
+
+DEFAULT_LIMITS = hygiene.ConnectionLimits()
+
 
 async def serve(
     app: web.Application,
@@ -16,14 +20,20 @@ async def serve(
     host: str,
     port: int,
     handler_cancellation: bool = False,
+    limits: hygiene.ConnectionLimits = DEFAULT_LIMITS,
+    label: str = "server",
     on_ready: Callable[[int], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then clean up; ``on_ready(port)`` once bound.
 
+    Every connection gets ``limits`` (:mod:`meridian_service.hygiene`: read timeouts,
+    keep-alive, the per-address cap); ``label`` is their settings group, for log lines.
     Signal handlers are installed before ``READY http://host:port`` is printed, so a supervisor
     that signals right after reading the line never kills the process uncleanly.
     """
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    runner = hygiene.runner(
+        app, limits, label=label, handler_cancellation=handler_cancellation, access_log=None
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from meridian_service import serving, version
+from meridian_service import hygiene, serving, version
 from meridian_sim import fleet, node, profile, workloads
 from policies import routing
 
@@ -193,7 +193,13 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
         )  # fmt: skip
 
     app = node.create_app(config, exit_hook=exit_now)
-    await serving.serve(app, host=host, port=port, handler_cancellation=True, on_ready=ready)
+    # vLLM's server (uvicorn) closes no kept-alive connection after a number of requests: the
+    # agent's pool to a simulated node behaves as it does to vLLM
+    limits = hygiene.ConnectionLimits(max_requests_per_connection=0)
+    await serving.serve(
+        app, host=host, port=port, handler_cancellation=True, limits=limits,
+        label="meridian-sim", on_ready=ready,
+    )  # fmt: skip
 
 
 def _format(value: float | int | str) -> str:

@@ -221,9 +221,22 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         other = AgentError(exc.reason)
+        headers: dict[str, str] = {}
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = sorted(exc.allowed_methods)
+            headers["Allow"] = ", ".join(allowed)  # RFC 9110: a 405 must list what is allowed
+            other = AgentError(
+                f"{request.method} is not allowed on {request.path}; "
+                f"use {' or '.join(allowed) or 'another path'}"
+            )
+        elif exc.status == 404:
+            other = AgentError(
+                f"no such path: {request.path}; the agent serves /v1/chat/completions, "
+                "/v1/completions, /v1/models, /health, /ready, /metrics and /admin/..."
+            )
         other.http_status = exc.status
         other.openai_type = "NotFoundError" if exc.status == 404 else "BadRequestError"
-        return web.json_response(other.body(), status=exc.status)
+        return web.json_response(other.body(), status=exc.status, headers=headers)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -272,6 +285,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     if scaler is not None:
         await scaler.close()
     await edge.client.close()
+    edge.close()
     edge.instruments.shutdown()
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pydantic
 
-from meridian_service import serving, version
+from meridian_service import logs, serving, version
 from meridian_service import settings as settings_loading
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app
@@ -125,6 +125,7 @@ async def _serve(settings: agent_settings.Settings) -> None:
         host=settings.server.host,
         port=settings.server.port,
         handler_cancellation=True,
+        limits=settings.server.limits(),
         on_ready=ready,
     )
 
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    logs.install()  # a malformed HTTP request: one short line, rate-limited, not a traceback
     try:
         settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
     except pydantic.ValidationError as exc:

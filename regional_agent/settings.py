@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from meridian_etcd import endpoints as etcd_endpoints
+from meridian_service import hygiene
 from meridian_service import settings as settings_loading
 from policies import group_routing, routing
 
@@ -34,6 +35,51 @@ class ServerSettings(_Group):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="largest request body accepted, in bytes (413 above)"
     )
+    # Connection hygiene (meridian_service.hygiene; docs/agent.md, Connections).  The timeouts
+    # bound reading a request, never writing a response: a stream may last minutes.
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request's line and headers must arrive within this many seconds of the "
+        "connection's accept (or of the request's first byte on a kept-alive connection), else "
+        "408 and the connection is closed; default 10",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="the whole request body must arrive within this many seconds of its headers "
+        "(a deadline, not a gap between chunks), else 408 and the connection is closed; "
+        "default 60 (4 MiB at 560 kbit/s)",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="an idle kept-alive connection is closed this many seconds after its last "
+        "response; default 75 (longer than a balancer's usual 60 s idle timeout)",
+    )
+    max_requests_per_connection: int = Field(
+        1000,
+        ge=0,
+        description="the response to a connection's request number N says Connection: close, so "
+        "that clients reconnect and balancers spread them again; 0: no limit; default 1000",
+    )
+    max_connections_per_ip: int = Field(
+        0,
+        ge=0,
+        description="connections one client address may hold at once; more are closed at once; "
+        "0: no cap, the default (a balancer that rewrites source addresses, or a NAT, puts every "
+        "client behind one address; set it when clients reach the agent directly)",
+    )
+
+    def limits(self) -> hygiene.ConnectionLimits:
+        """What :mod:`meridian_service.hygiene` enforces on the agent's port."""
+        return hygiene.ConnectionLimits(
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            max_requests_per_connection=self.max_requests_per_connection,
+            max_connections_per_ip=self.max_connections_per_ip,
+        )
 
 
 class NodeSettings(_Group):
@@ -84,6 +130,23 @@ class RoutingSettings(_Group):
     prefix_block_tokens: int = Field(
         16, gt=0, description="tokens per block when hashing prompt prefixes for routing"
     )
+    # 8192: every prompt of a model with an 8k context (Llama-3-8B; the simulator's profiles and
+    # so every benchmark), and most chat traffic (all of the Azure traces but one prompt, 55 % of
+    # Mooncake's), is tokenised and hashed exactly; a longer conversation still matches the node
+    # that holds its first 8k tokens.  The stand-in tokeniser is pure Python at 1.4-2.8 us a
+    # token (0.29-0.60 s for 1 MB here), so 8k tokens bound a request's routing work to 12-23 ms,
+    # where a 4 MiB body (800k tokens) cost 1.6-2 s of the event loop; and it holds the GIL, so
+    # that bound is what keeps other requests fast (three 3.8 MB prompts at once: /health worst
+    # 21-38 ms at 8k, 24-36 ms at 16k, 144-172 ms at 32k; docs/agent.md, Large prompts).
+    prefix_max_tokens: int = Field(
+        8192,
+        gt=0,
+        description="tokens of a prompt that are tokenised and block-hashed for routing; past "
+        "them the prompt's token count is estimated from the characters left, at the "
+        "characters per token of the part tokenised, and prefixes are matched on these first "
+        "tokens only (a bound on the work one request costs: 1.5-3 us a token); raise it "
+        "for long-context models whose prompts share more than this; default 8192",
+    )
     tuning: dict[str, float | int] = Field(
         default_factory=dict,
         description="overrides of policies.routing.RoutingConfig fields (thresholds, weights)",
@@ -109,6 +172,34 @@ class RoutingSettings(_Group):
         return routing.RoutingConfig(**self.tuning)  # type: ignore[arg-type]
 
 
+class ParseSettings(_Group):
+    """Where a request's body is parsed (JSON, chat rendering, tokenising and block hashing):
+    on the event loop for small bodies, on a parse thread for large ones (docs/agent.md)."""
+
+    # 4 KiB (about 900 tokens, 1 ms of parsing): the loop's longest stall while one chat prompt
+    # is parsed, through a real agent, inline vs on the parse thread (an idle loop: 1.7 ms): 2 KB
+    # 2.1 vs 2.8 ms (the same, within noise), 4 KB 4.6 vs 3.1, 10 KB (2,000 words) 7.5 vs 3.6,
+    # 16 KB 12.0 vs 3.5, 64 KB 26.0 vs 5.4.  Below it a thread saves nothing measurable and
+    # costs a hop (about 0.1 ms) and GIL handoffs on the most common requests.
+    offload_min_bytes: int = Field(
+        4 * 1024,
+        ge=0,
+        description="request bodies of at least this many bytes are parsed on a parse thread, "
+        "smaller ones on the event loop (their parsing costs less than a thread hop and the GIL "
+        "handoffs it brings); 0: every body on a thread; default 4096 (about 1 ms of parsing)",
+    )
+    # 1: the tokeniser holds the GIL, so a second thread adds no throughput, and every busy
+    # parse thread is one more the loop must win the GIL back from after each syscall (three
+    # 3.8 MB prompts at once: /health worst 21-38 ms with one thread, 49-60 ms with two).
+    threads: int = Field(
+        1,
+        ge=1,
+        description="parse threads; large bodies beyond this many wait for one (the tokeniser "
+        "holds the GIL: more threads add no throughput, only contention with the event loop); "
+        "default 1",
+    )
+
+
 class TelemetrySettings(_Group):
     # 1 s, not 0.25: every scrape costs the node a render of its ~50 KB /metrics page; the
     # routing benchmark measured 0.2 cores less on 8 nodes and a lower client TTFT at 1 s, the
@@ -132,6 +223,14 @@ class HealthSettings(_Group):
     # traffic sooner: its refused connections fail at once, count towards
     # eject_consecutive_errors and are retried on another node, whatever the probes say.
     probe_timeout_s: float = Field(3.0, gt=0, description="timeout of one probe, seconds")
+    probe_generate: bool = Field(
+        False,
+        description="also ask each node for a one-token completion every probe round: an engine "
+        "that stopped stepping still answers /health (off: it costs the node a request a round)",
+    )
+    probe_generate_timeout_s: float = Field(
+        10.0, gt=0, description="time the one-token completion of a probe may take (seconds)"
+    )
     unhealthy_after: int = Field(3, ge=1, description="consecutive failed probes before unhealthy")
     healthy_after: int = Field(2, ge=1, description="consecutive good probes before healthy again")
     eject_consecutive_errors: int = Field(
@@ -193,6 +292,41 @@ class RetrySettings(_Group):
         0.2, ge=0, description="retries allowed as a fraction of requests (a retry budget)"
     )
     budget_min_per_s: float = Field(3.0, ge=0, description="retries always allowed per second")
+
+
+class StallLimits(_Group):
+    """Stall limits of one model's streamed requests (``stall.models.<model>``)."""
+
+    first_token_s: float = Field(
+        120.0,
+        gt=0,
+        description="a streamed request waiting longer than this on a node for its first token "
+        "is cut, counted as a node failure and retried elsewhere (seconds)",
+    )
+    inter_token_s: float = Field(
+        15.0,
+        gt=0,
+        description="a stream silent this long between tokens is ended with an error event and "
+        "counted as a node failure (seconds)",
+    )
+
+
+class StallSettings(StallLimits):
+    """When a streamed response counts as stalled: an engine that stopped stepping answers
+    /health but sends no tokens.  Defaults sized for real engines: vLLM's inter-token latency
+    is tens of ms, so 15 s of silence mid-stream is a stuck engine; a first token can take tens
+    of seconds on a loaded node (a long prompt behind others), so the first-token limit is the
+    agent's own queue deadline, 120 s.  Non-streamed requests keep
+    upstream.first_byte_timeout_s and upstream.read_timeout_s (their tokens are not seen)."""
+
+    models: dict[str, StallLimits] = Field(
+        default_factory=dict,
+        description="per-model limits, e.g. a 70B model's longer prefill: "
+        '{"meta-llama/Llama-3.1-70B": {"first_token_s": 120, "inter_token_s": 30}}',
+    )
+
+    def limits(self, model: str) -> StallLimits:
+        return self.models.get(model, self)
 
 
 class UpstreamSettings(_Group):
@@ -426,11 +560,13 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     nodes: list[NodeSettings] = Field(default_factory=list, description="the region's nodes")
     routing: RoutingSettings = RoutingSettings()
+    parse: ParseSettings = ParseSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     health: HealthSettings = HealthSettings()
     queue: QueueSettings = QueueSettings()
     retry: RetrySettings = RetrySettings()
     upstream: UpstreamSettings = UpstreamSettings()
+    stall: StallSettings = StallSettings()
     admin: AdminSettings = AdminSettings()
     otel: TelemetryExportSettings = TelemetryExportSettings()
     region: RegionSettings = RegionSettings()

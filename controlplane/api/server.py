@@ -20,7 +20,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import ssl
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,7 @@ from controlplane.api.problems import (
 from controlplane.errors import ControllerError
 from controlplane.replica import Replica
 from controlplane.settings import ControllerSettings
+from meridian_service import hygiene
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
             yield
             return
         tls = _server_tls(api.settings)
-        runner = web.AppRunner(create_admin_app(api), access_log=None)
+        runner = hygiene.runner(create_admin_app(api), s.limits(), label="api", access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, s.host, s.port, ssl_context=tls)
         await site.start()
@@ -213,8 +216,10 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
             )
             problem.status = 405
         elif exc.status == 405:
+            allowed = sorted(getattr(exc, "allowed_methods", ()))
             problem = BadRequest(
-                f"{request.method} is not allowed on {request.path}",
+                f"{request.method} is not allowed on {request.path}"
+                + (f"; it allows {', '.join(allowed)}" if allowed else ""),
                 fix="see GET /v1/openapi.json for the methods",
             )
             problem.status = 405
@@ -224,7 +229,10 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         else:
             problem = BadRequest(exc.text or exc.reason)
             problem.status = exc.status
-        return problem.response()
+        answer = problem.response()
+        if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 lists what is allowed
+            answer.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return answer
     except Exception:  # the outermost middleware: never a stack trace to the client
         log.exception("admin API request failed path=%s", request.path)
         return response(
@@ -279,16 +287,53 @@ def _endpoint(route: routes.Route) -> Handler:
     return handle
 
 
+class _NonFinite:
+    """Stands in for ``NaN``, ``Infinity`` or a number too large for a double while parsing."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def _parse(route: routes.Route, raw: bytes) -> pydantic.BaseModel | None:
     if route.body is None:
         return None
+    bad: list[_NonFinite] = []
+
+    def non_finite(text: str) -> object:  # Python's json accepts NaN and Infinity; JSON does not
+        bad.append(_NonFinite(text))
+        return bad[-1]
+
+    def number(text: str) -> object:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
     try:
-        data = json.loads(raw) if raw.strip() else None
+        data = (
+            json.loads(raw, parse_constant=non_finite, parse_float=number) if raw.strip() else None
+        )
+    except RecursionError:
+        raise BadRequest(
+            "the body is nested too deeply to parse; nothing was changed",
+            fix=f"send a flat JSON object, for example {route.example}",
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(
             f"the body is not JSON: {exc}; nothing was changed",
             fix=f"send a JSON object, for example {route.example}",
         ) from exc
+    except ValueError as exc:  # Python refuses to convert an integer this long
+        raise BadRequest(
+            f"the body has an integer too long to parse (more than "
+            f"{sys.get_int_max_str_digits()} digits); nothing was changed",
+            fix=f"send numbers of an ordinary size, for example {route.example}",
+        ) from exc
+    if bad:
+        where = _path_to(data, bad[0]) or "body"
+        raise BadRequest(
+            f"{where}: {bad[0].text} is not a JSON number; nothing was changed",
+            fix=f"send a finite number (JSON has no NaN or Infinity), for example {route.example}",
+            errors=[f"{where}: {bad[0].text} is not a JSON number"],
+        )
     if not isinstance(data, dict):
         raise BadRequest(
             "the body must be a JSON object; nothing was changed",
@@ -305,6 +350,20 @@ def _parse(route: routes.Route, raw: bytes) -> pydantic.BaseModel | None:
             fix=f"fix those fields, for example {route.example}",
             errors=errors,
         ) from exc
+
+
+def _path_to(data: object, target: object) -> str:
+    """Where ``target`` is in ``data``, as ``a.b[0]``; iterative (``data`` may be deep)."""
+    stack: list[tuple[object, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return ""
 
 
 def _fingerprint(request: web.Request, raw: bytes) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controlplane.settings.api import ApiSettings
+from controlplane.settings.api import ApiSettings, ConnectionSettings
 from controlplane.settings.dns import DnsSettings
 from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import settings as settings_loading
@@ -149,7 +149,7 @@ class EventSettings(_Group):
     retention: int = Field(1000, ge=10, description="events kept in etcd; older ones are pruned")
 
 
-class ServerSettings(_Group):
+class ServerSettings(ConnectionSettings):
     host: str = Field(
         "127.0.0.1", description="address of the read port: /health and the admin API's reads"
     )

@@ -25,6 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from meridian_service import hygiene
+
 Role = Literal["viewer", "operator", "admin"]
 ROLES: tuple[Role, ...] = ("viewer", "operator", "admin")  # each can do all the ones before
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -66,7 +68,57 @@ class TlsSettings(_Group):
         return self
 
 
-class ApiSettings(_Group):
+class ConnectionSettings(_Group):
+    """Connection hygiene of one of the controller's ports (``[server]``, the read port, and
+    ``[api]``, the admin port), enforced by ``meridian_service.hygiene``.  Their clients are
+    operators, meridianctl, dashboards, health checkers and the other replicas: few
+    connections, small bodies (64 KiB at most), so the limits are tighter than the agent's."""
+
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request's line and headers must arrive within this many seconds of the "
+        "connection's accept (or of the request's first byte on a kept-alive connection), else "
+        "408 and the connection is closed; default 10",
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the whole request body must arrive within this many seconds of its headers "
+        "(a deadline, not a gap between chunks), else 408 and the connection is closed; "
+        "default 10 (bodies are at most 64 KiB)",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="an idle kept-alive connection is closed this many seconds after its last "
+        "response; default 75 (longer than a balancer's usual 60 s idle timeout)",
+    )
+    max_requests_per_connection: int = Field(
+        1000,
+        ge=0,
+        description="the response to a connection's request number N says Connection: close; "
+        "0: no limit; default 1000",
+    )
+    max_connections_per_ip: int = Field(
+        64,
+        ge=0,
+        description="connections one client address may hold at once; more are closed at once; "
+        "0: no cap; default 64 (a health checker holds one, meridianctl one per command)",
+    )
+
+    def limits(self) -> hygiene.ConnectionLimits:
+        """What ``meridian_service.hygiene`` enforces on this port."""
+        return hygiene.ConnectionLimits(
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            max_requests_per_connection=self.max_requests_per_connection,
+            max_connections_per_ip=self.max_connections_per_ip,
+        )
+
+
+class ApiSettings(ConnectionSettings):
     host: str = Field("127.0.0.1", description="address of the admin API")
     port: int | None = Field(
         None,

@@ -4,7 +4,10 @@ in ``policies.health``.
 
 * :meth:`HealthMonitor.run` probes all nodes concurrently every ``probe_interval_s``
   (:meth:`~HealthMonitor.probe_once` is one round); a probe is good when ``/health`` answers
-  2xx within ``probe_timeout_s``.  After the probes, each round applies the changes time alone
+  2xx within ``probe_timeout_s`` and, with ``probe_generate``, a one-token completion of the
+  node's first model finishes within ``probe_generate_timeout_s`` too: an engine that stopped
+  stepping still answers ``/health`` (vLLM's is its API server's), so only a generation
+  proves it works.  After the probes, each round applies the changes time alone
   makes (an ejection's time is up: PROBATION) and the pool's latency-outlier comparison.
 * :meth:`HealthMonitor.record` is called by the proxy for every attempt: ok with its time to
   first token (``None`` when not streamed), or failed (connect error, 5xx, timeout, garbage).
@@ -20,6 +23,7 @@ monitor has not met yet is HEALTHY until probed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from meridian_service.clock import Clock
@@ -28,7 +32,7 @@ from policies.model import Health, NodeId
 from regional_agent.errors import UpstreamError
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import HealthSettings
-from regional_agent.upstream.client import NodeClient
+from regional_agent.upstream import NodeClient, Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +101,36 @@ class HealthMonitor:
             )
         except UpstreamError as exc:
             return False, f"unreachable: {exc.message}"
-        if 200 <= status < 300:
-            return True, f"HTTP {status}"
-        return False, f"HTTP {status}"
+        if not 200 <= status < 300:
+            return False, f"HTTP {status}"
+        if self._settings.probe_generate and node.models:
+            return await self._generate(node)
+        return True, f"HTTP {status}"
+
+    async def _generate(self, node: Node) -> tuple[bool, str]:
+        """A one-token completion of the node's first model, within its own time limit."""
+        limit_s = self._settings.probe_generate_timeout_s
+        body = {"model": min(node.models), "prompt": "ping", "max_tokens": 1, "stream": False}
+        timeouts = Timeouts(
+            first_byte_s=limit_s, gap_s=limit_s,
+            first_byte_name="health.probe_generate_timeout_s",
+            gap_name="health.probe_generate_timeout_s",
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(limit_s + 1.0):
+                async with self._client.post(
+                    node.node_id,
+                    node.endpoint("/v1/completions"),
+                    body=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json", "X-Request-ID": "health-probe"},
+                    timeouts=timeouts,
+                ) as response:
+                    await response.read()
+        except UpstreamError as exc:
+            return False, f"generation probe failed: {exc.message}"
+        except TimeoutError:
+            return False, f"generation probe: no answer within {limit_s:g} s"
+        return True, "generation probe ok"
 
     # -- what the proxy reports ----------------------------------------------------------------
 

@@ -11,14 +11,23 @@ the first byte of a stream is out, a failure ends the stream with an OpenAI-styl
 (``data: {"error": ...}``), which the ``openai`` client raises as an error: never a hang.
 
 A client that disconnects cancels its handler (aiohttp's handler cancellation), which closes
-the upstream connection, which makes vLLM abort the request.
+the upstream connection, which makes vLLM abort the request.  When the agent writes to the
+connection before aiohttp has noticed it closed, the write fails (``ConnectionResetError``)
+instead, which ends the handler the same way.  Both count as status 499, never as an error.
+
+Parsing is bounded: only the first ``routing.prefix_max_tokens`` tokens of a prompt are
+tokenised and hashed, and a body of ``parse.offload_min_bytes`` or more is parsed on a parse
+thread (``Edge.offload``), so a large prompt does not stall the event loop for everyone else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,7 +49,8 @@ from regional_agent.errors import (
     UpstreamUnavailable,
 )
 from regional_agent.queue import Lease
-from regional_agent.upstream import UpstreamResponse
+from regional_agent.settings import Settings
+from regional_agent.upstream import Timeouts, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,15 @@ class _Parsed:
     view: RequestView
     stream: bool
     tokens: int  # prompt + max_tokens, for the agent's accounting
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the agent wrote the answer to it."""
+
+    def __init__(self, response: web.StreamResponse, *, node_id: str) -> None:
+        super().__init__(f"client went away node={node_id}")
+        self.response = response
+        self.node_id = node_id
 
 
 async def models(request: web.Request) -> web.Response:
@@ -79,18 +98,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _parse(request: web.Request, agent: Edge, *, chat: bool) -> _Parsed:
+    """Read and parse the body: on the event loop when it is small (the common case, cheaper
+    than a thread hop), else on a parse thread (``parse.offload_min_bytes``), so that one large
+    prompt does not stall every other request.  The work is bounded either way: only the first
+    ``routing.prefix_max_tokens`` tokens are tokenised and hashed."""
     raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    work = functools.partial(_parse_body, raw, request.headers, agent.settings, chat=chat)
+    if len(raw) < agent.settings.parse.offload_min_bytes:
+        return work()
+    return await agent.offload(work)
+
+
+def _parse_body(
+    raw: bytes, headers: Mapping[str, str], settings: Settings, *, chat: bool
+) -> _Parsed:
+    """Everything ``_parse`` does after reading, without the event loop (it may run on a
+    thread: it reads only its arguments)."""
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
         raise BadRequest(
             "'model' is required: name one of the models from /v1/models", param="model"
         )
+    if not isinstance(model, str) or not model:
+        raise BadRequest(
+            f"'model' must be a string naming one of the models from /v1/models, got "
+            f"{_shown(model)}",
+            param="model",
+        )
+    max_prompt_tokens = settings.routing.prefix_max_tokens
+    param = "messages" if chat else "prompt"
     try:
         if chat:
             messages = body.get("messages")
@@ -98,11 +137,14 @@ async def _parse(request: web.Request, agent: Edge, *, chat: bool) -> _Parsed:
                 raise BadRequest(
                     "'messages' must be a non-empty list of messages", param="messages"
                 )
-            token_ids = prompt.tokenize(prompt.render_chat(messages))
+            head = prompt.tokenize_prefix(
+                prompt.render_chat(messages), max_tokens=max_prompt_tokens
+            )
+            token_ids, prompt_tokens = head.token_ids, head.total_tokens
         else:
-            token_ids = _completion_tokens(body.get("prompt"))
+            token_ids, prompt_tokens = _completion_tokens(body.get("prompt"), max_prompt_tokens)
     except prompt.PromptError as exc:
-        raise BadRequest(str(exc), param="messages") from exc
+        raise BadRequest(str(exc), param=param) from exc
     max_tokens = body.get("max_tokens")
     if max_tokens is None and chat:
         max_tokens = body.get("max_completion_tokens")
@@ -110,45 +152,148 @@ async def _parse(request: web.Request, agent: Edge, *, chat: bool) -> _Parsed:
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
     ):
         raise BadRequest(
-            f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens"
+            f"'max_tokens' must be a positive integer, got {_shown(max_tokens)}",
+            param="max_tokens",
         )
     if max_tokens is None:
         max_tokens = _CHAT_ASSUMED_MAX_TOKENS if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", param="stream")
-    settings = agent.settings
     try:
         priority = admission.parse_priority(
-            request.headers.get("X-Priority"),
-            tenant=request.headers.get("X-Tenant"),
+            headers.get("X-Priority"),
+            tenant=headers.get("X-Tenant"),
             tenant_classes=settings.queue.tenant_priority,
         )
     except admission.PriorityError as exc:
         raise BadRequest(str(exc)) from exc
-    session = request.headers.get("X-Session-ID") or body.get("user")
+    session = _session_key(headers.get("X-Session-ID"), body.get("user"))
     block_tokens = settings.routing.prefix_block_tokens
     view = RequestView(
         model=model,
-        prompt_tokens=len(token_ids),
+        prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         block_hashes=prompt.block_hashes(token_ids, block_size=block_tokens),
         block_tokens=block_tokens,
-        session_key=session if isinstance(session, str) and session else None,
+        session_key=session,
         priority=priority,
     )
-    return _Parsed(body=body, raw=raw, view=view, stream=stream, tokens=len(token_ids) + max_tokens)
+    return _Parsed(body=body, raw=raw, view=view, stream=stream, tokens=prompt_tokens + max_tokens)
 
 
-def _completion_tokens(value: object) -> tuple[int, ...]:
+class _NonFinite:
+    """Stands in for a number JSON cannot hold (``NaN``, ``Infinity``, ``1e999``) while parsing,
+    so that the refusal can name the field."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _loads(raw: bytes) -> object:
+    """The body as JSON, or ``BadRequest`` saying what is wrong with it.
+
+    Stricter than ``json.loads``: ``NaN``, ``Infinity`` and ``-Infinity`` (which Python accepts
+    and JSON does not) and numbers too large for a double (``1e999``, which would become an
+    infinity) are refused, naming the field, rather than forwarded to a node; nesting too deep
+    for the parser is a 400, not a ``RecursionError``."""
+    bad: list[_NonFinite] = []
+
+    def non_finite(text: str) -> object:
+        bad.append(_NonFinite(text))
+        return bad[-1]
+
+    def number(text: str) -> object:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
+    try:
+        body = json.loads(raw, parse_constant=non_finite, parse_float=number)
+    except RecursionError:
+        raise BadRequest(
+            "the request body is nested too deeply: arrays and objects nested hundreds of levels "
+            "deep are more than the agent parses; send a body nested a few levels deep, as the "
+            "OpenAI API's are"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # Python refuses to convert an integer this long (CVE-2020-10735)
+        raise BadRequest(
+            f"the request body has an integer of more than {sys.get_int_max_str_digits()} "
+            "digits; send numbers of an ordinary size"
+        ) from None
+    if bad:
+        where = _path_to(body, bad[0])
+        raise BadRequest(
+            f"{where or 'the request body'}: {bad[0].text} is not a JSON number; send a finite "
+            "number (JSON has no NaN or Infinity)",
+            param=where or None,
+        )
+    return body
+
+
+def _path_to(body: object, target: object) -> str:
+    """Where ``target`` is in ``body``: ``temperature``, ``messages[0].content`` ('' when it is
+    the body itself).  Iterative: the body may be as deep as the parser allows."""
+    stack: list[tuple[object, str]] = [(body, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return ""
+
+
+def _shown(value: object) -> str:
+    """A client's value in a message: short, and as JSON writes it (escaped, one line)."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str) and len(value) > 40:
+        return f'{json.dumps(value[:40])[:-1]}..."'
+    return json.dumps(value)
+
+
+def _session_key(header: str | None, user: object) -> str | None:
+    """The session key: ``X-Session-ID``, else the body's ``user``.  It is hashed as UTF-8, so
+    a lone surrogate (from JSON, or a header's undecodable bytes) is refused here."""
+    if header:
+        try:
+            return prompt.check_text(header, field="X-Session-ID")
+        except prompt.PromptError:
+            raise BadRequest(  # aiohttp decodes bytes that are not UTF-8 to lone surrogates
+                "the X-Session-ID header is not UTF-8 text: send the session id as UTF-8 "
+                "(ASCII letters, digits and dashes are safest)"
+            ) from None
+    if not isinstance(user, str) or not user:
+        return None
+    try:
+        return prompt.check_text(user, field="user")
+    except prompt.PromptError as exc:
+        raise BadRequest(str(exc), param="user") from exc
+
+
+_MAX_TOKEN_ID = 2**32 - 1  # block hashes pack token ids in 4 bytes (policies.prompt.hash_block)
+
+
+def _completion_tokens(value: object, max_tokens: int) -> tuple[tuple[int, ...], int]:
+    """The first ``max_tokens`` token ids of a completion's prompt and its token count."""
+    field = "prompt"
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
+        value, field = value[0], "prompt[0]"
     if isinstance(value, str):
-        return prompt.tokenize(value)
-    if isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        return tuple(value)
+        head = prompt.tokenize_prefix(prompt.check_text(value, field=field), max_tokens=max_tokens)
+        return head.token_ids, head.total_tokens
+    if isinstance(value, list) and all(type(t) is int for t in value):
+        if not all(0 <= t <= _MAX_TOKEN_ID for t in value):
+            raise BadRequest(
+                f"'{field}' token ids must be integers from 0 to {_MAX_TOKEN_ID}", param="prompt"
+            )
+        return tuple(value[:max_tokens]), len(value)
     raise BadRequest(
         "'prompt' must be a string, a list of token ids, or a list of one of those", param="prompt"
     )
@@ -193,6 +338,12 @@ async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamRe
             status = 499  # client closed the request (nginx's convention)
             span.set_attribute("meridian.client_cancelled", True)
             raise
+        except _ClientGone as gone:  # the same, seen as a failed write rather than a cancel
+            status, node_label = 499, gone.node_id
+            span.set_attribute("meridian.client_cancelled", True)
+            # aiohttp finishes the response: its write to the closed connection is a
+            # ConnectionError it ignores (no log line), like any premature disconnection
+            return gone.response
         finally:
             span.set_attribute("http.status_code", status)
             agent.instruments.count_request(node=node_label, status=status)
@@ -314,6 +465,18 @@ async def _one_attempt(
         raise
 
 
+def _stall_timeouts(agent: Edge, parsed: _Parsed) -> Timeouts:
+    """A stream's limits: the first token within ``stall.first_token_s`` (never longer than
+    ``upstream.first_byte_timeout_s``), then no silence over ``stall.inter_token_s``."""
+    limits = agent.settings.stall.limits(parsed.view.model)
+    return Timeouts(
+        first_byte_s=min(limits.first_token_s, agent.settings.upstream.first_byte_timeout_s),
+        gap_s=limits.inter_token_s,
+        first_byte_name="stall.first_token_s",
+        gap_name="stall.inter_token_s",
+    )
+
+
 async def _send(
     request: web.Request,
     agent: Edge,
@@ -329,7 +492,10 @@ async def _send(
     sent = agent.clock.now()
     url = node.endpoint(path)
     try:
-        async with agent.client.post(lease.node_id, url, body=parsed.raw, headers=headers) as up:
+        timeouts = _stall_timeouts(agent, parsed) if parsed.stream else None
+        async with agent.client.post(
+            lease.node_id, url, body=parsed.raw, headers=headers, timeouts=timeouts
+        ) as up:
             if parsed.stream:
                 return await _relay_stream(request, agent, up, lease, sent=sent, arrived=arrived)
             data = await up.read()
@@ -372,31 +538,38 @@ async def _relay_stream(
         status=up.status,
         headers={"Content-Type": up.content_type, "Cache-Control": "no-cache"},
     )
-    await response.prepare(request)
-    await response.write(first)
-    failure: str | None = None
     try:
-        async for chunk in chunks:
-            await response.write(chunk)
-    except UpstreamError as exc:
-        failure = exc.message
-        agent.health.record(lease.node_id, ok=False, ttft_s=None, now=agent.clock.now())
-    except asyncio.CancelledError:
-        if lease.timeout is None or not lease.timeout.expired():
-            raise  # the client went away: closing upstream makes the node abort
-        failure = "the node is being drained and the stream ran past the drain timeout"
-    if failure is not None:
-        log.warning("stream broken after first byte node=%s error=%s", lease.node_id, failure)
-        event = {
-            "error": {
-                "message": f"the serving node failed mid-stream: {failure}",
-                "type": "ServiceUnavailableError",
-                "param": None,
-                "code": 503,
+        await response.prepare(request)
+        await response.write(first)
+        failure: str | None = None
+        try:
+            async for chunk in chunks:
+                await response.write(chunk)
+        except UpstreamError as exc:
+            failure = exc.message
+            agent.health.record(lease.node_id, ok=False, ttft_s=None, now=agent.clock.now())
+        except asyncio.CancelledError:
+            if lease.timeout is None or not lease.timeout.expired():
+                raise  # the client went away: closing upstream makes the node abort
+            failure = "the node is being drained and the stream ran past the drain timeout"
+        if failure is not None:
+            log.warning("stream broken after first byte node=%s error=%s", lease.node_id, failure)
+            event = {
+                "error": {
+                    "message": f"the serving node failed mid-stream: {failure}",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": 503,
+                }
             }
-        }
-        await response.write(f"data: {json.dumps(event)}\n\n".encode())
-    await response.write_eof()
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write_eof()
+    except ConnectionResetError:
+        # aiohttp's ClientConnectionResetError: the client hung up and the loop noticed it
+        # before cancelling this handler.  Leaving the upstream block closes the node's
+        # connection, so the node aborts, as on a cancel.  (Upstream failures never get here:
+        # chunks() raises them as UpstreamError.)
+        raise _ClientGone(response, node_id=lease.node_id) from None
     return response
 
 

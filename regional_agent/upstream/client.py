@@ -13,8 +13,13 @@ Timeouts of a POST to a node, each named in the error it raises:
   stream's headers at once and then nothing until the first token, so a queued request's wait
   and its prefill are silence inside the stream: this budget covers them, however long
   ``read_timeout_s`` is.
-- ``read_timeout_s``: the longest silence between two reads of the body once the request is
-  older than ``first_byte_timeout_s`` (a node stuck mid-generation).
+- ``read_timeout_s``: the longest silence between two reads of the body once its first bytes
+  have arrived (a node stuck mid-generation).
+
+A call may bring :class:`Timeouts` of its own: the proxy gives streamed requests the stall
+limits of their model (``stall.first_token_s`` for the wait to the first token,
+``stall.inter_token_s`` between tokens), so an engine that stopped stepping is cut, counted as a
+node failure and, before any byte reached the client, retried elsewhere.
 
 - an error status → ``UpstreamStatus`` carrying the node's body (retryable for 5xx and 429);
 - a broken stream after the headers → ``UpstreamUnavailable`` raised from the chunk iterator
@@ -25,9 +30,11 @@ Timeouts of a POST to a node, each named in the error it raises:
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -35,6 +42,7 @@ import aiohttp
 from regional_agent.errors import UpstreamProtocolError, UpstreamStatus, UpstreamUnavailable
 
 _CONNECTION_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+_LARGE_BODY_BYTES = 1024 * 1024  # aiohttp's own threshold for its warning
 
 
 def _why(exc: BaseException) -> str:
@@ -42,6 +50,16 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError) or not text:
         return type(exc).__name__ if not isinstance(exc, asyncio.TimeoutError) else "timed out"
     return f"{type(exc).__name__}: {text}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """One call's time limits, and the settings they come from (named in the errors)."""
+
+    first_byte_s: float
+    gap_s: float
+    first_byte_name: str = "upstream.first_byte_timeout_s"
+    gap_name: str = "upstream.read_timeout_s"
 
 
 class UpstreamResponse:
@@ -53,28 +71,38 @@ class UpstreamResponse:
         response: aiohttp.ClientResponse,
         *,
         first_byte_deadline: float,
-        read_timeout_s: float,
+        timeouts: Timeouts,
     ) -> None:
         self.node_id = node_id
         self._response = response
         self._first_byte_deadline = first_byte_deadline  # loop time
-        self._read_timeout_s = read_timeout_s
+        self._timeouts = timeouts
+        self._started = False  # the body's first bytes have arrived
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/octet-stream")
 
     async def _next(self) -> bytes:
         """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
+        t = self._timeouts
         left_s = self._first_byte_deadline - asyncio.get_running_loop().time()
-        limit_s = max(self._read_timeout_s, left_s)
+        waiting_first = not self._started  # the first bytes are due by the first-byte deadline
+        limit_s = left_s if waiting_first else t.gap_s
         try:
-            async with asyncio.timeout(limit_s):
-                return await self._response.content.readany()
+            async with asyncio.timeout(max(limit_s, 0.0)):
+                chunk = await self._response.content.readany()
         except TimeoutError:
+            if waiting_first:
+                raise UpstreamUnavailable(
+                    f"node {self.node_id} sent no first byte within {t.first_byte_s:g} s "
+                    f"({t.first_byte_name}): the engine may have stopped stepping",
+                    node_id=self.node_id,
+                ) from None
             raise UpstreamUnavailable(
-                f"node {self.node_id} sent nothing for {limit_s:.3g} s (read_timeout_s "
-                f"{self._read_timeout_s:g} s, after first_byte_timeout_s)",
+                f"node {self.node_id} sent nothing for {t.gap_s:g} s ({t.gap_name})",
                 node_id=self.node_id,
             ) from None
+        self._started = True
+        return chunk
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -168,16 +196,29 @@ class NodeClient:
 
     @asynccontextmanager
     async def post(
-        self, node_id: str, url: str, *, body: bytes, headers: Mapping[str, str]
+        self,
+        node_id: str,
+        url: str,
+        *,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
     ) -> AsyncIterator[UpstreamResponse]:
         """POST and yield once the headers are in; error statuses raise ``UpstreamStatus``.
 
-        Leaving the block early closes the connection, which makes vLLM abort the request.
+        ``timeouts`` replaces the client's first-byte and read timeouts for this call.  Leaving
+        the block early closes the connection, which makes vLLM abort the request.
         """
-        deadline = asyncio.get_running_loop().time() + self._first_byte_timeout_s
+        t = timeouts or Timeouts(
+            first_byte_s=self._first_byte_timeout_s, gap_s=self._read_timeout_s
+        )
+        deadline = asyncio.get_running_loop().time() + t.first_byte_s
         try:
             async with asyncio.timeout_at(deadline):
-                response = await self.session.post(url, data=body, headers=dict(headers))
+                # aiohttp copies a large bytes body in one go on the loop (and warns); a stream
+                # of it is written in chunks
+                data = io.BytesIO(body) if len(body) > _LARGE_BODY_BYTES else body
+                response = await self.session.post(url, data=data, headers=dict(headers))
         except aiohttp.ConnectionTimeoutError as exc:
             raise UpstreamUnavailable(
                 f"node {node_id}: POST {url} could not connect within connect_timeout_s "
@@ -187,7 +228,7 @@ class NodeClient:
         except TimeoutError as exc:
             raise UpstreamUnavailable(
                 f"node {node_id}: POST {url} got no response headers within "
-                f"first_byte_timeout_s {self._first_byte_timeout_s:g} s",
+                f"{t.first_byte_s:g} s ({t.first_byte_name})",
                 node_id=node_id,
             ) from exc
         except _CONNECTION_ERRORS as exc:
@@ -207,12 +248,7 @@ class NodeClient:
                     body=payload,
                     content_type=response.headers.get("Content-Type", "application/json"),
                 )
-            yield UpstreamResponse(
-                node_id,
-                response,
-                first_byte_deadline=deadline,
-                read_timeout_s=self._read_timeout_s,
-            )
+            yield UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
         finally:
             if response.content.at_eof():
                 response.release()  # fully read: the connection goes back to the pool

@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from meridian_service import hygiene
 from regional_agent import settings
 from tests.agent.conftest import SimProcess
 
@@ -69,6 +70,16 @@ weight = 2.0
             {"MERIDIAN_AGENT_QUEUE__MAX_DEPTH": "-1"},
             "queue.max_depth",
         ),
+        (
+            ["--node", "http://127.0.0.1:1"],
+            {"MERIDIAN_AGENT_SERVER__HEADER_TIMEOUT_S": "0"},
+            "server.header_timeout_s",
+        ),
+        (
+            ["--node", "http://127.0.0.1:1"],
+            {"MERIDIAN_AGENT_SERVER__MAX_CONNECTIONS_PER_IP": "-1"},
+            "server.max_connections_per_ip",
+        ),
         (["--node", "http://127.0.0.1:1", "--node", "http://127.0.0.1:1"], {}, "duplicate node id"),
         ([], {}, "no nodes"),
         (["--config", "/nonexistent/agent.toml"], {}, "does not exist"),
@@ -88,6 +99,14 @@ def test_unknown_field_in_the_file_is_named(tmp_path: Path) -> None:
     done = _run(["--config", str(config)])
     assert done.returncode == 2
     assert "queue.max_dept" in done.stderr
+
+
+def test_connection_limits_come_from_the_server_group() -> None:
+    """What meridian-agent hands meridian_service.hygiene: its defaults are the agent's."""
+    assert settings.ServerSettings().limits() == hygiene.ConnectionLimits()
+    server = settings.ServerSettings(header_timeout_s=2, max_connections_per_ip=8)
+    assert server.limits().header_timeout_s == 2
+    assert server.limits().max_connections_per_ip == 8
 
 
 def test_bad_routing_tuning_is_named() -> None:

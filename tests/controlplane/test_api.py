@@ -11,6 +11,7 @@ import asyncio
 import json
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from meridian_wire import keys
 from meridian_wire.models import FleetPlan, RegionHealth, RegionOverride
 from tests.meridianctl.stack import TOKENS, Stack
 from tests.support import EtcdServer, until
+from tests.support.ports import free_port
+from tests.support.process import ServerProcess
 
 AUTH = {role: {"Authorization": f"Bearer {t}"} for role, t in TOKENS.items()}
 
@@ -482,3 +485,119 @@ async def test_a_5xx_with_etcd_gone_is_raised_as_it_was(fresh_etcd: EtcdServer) 
         assert raised.value is failure
     finally:
         await stack.close()
+
+
+# -- hostile input -----------------------------------------------------------------------------
+
+
+async def test_deep_nesting_nan_and_infinity_are_400s_naming_the_field(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    """Python's json raises RecursionError on deep nesting (a 500 before) and accepts NaN,
+    Infinity and -Infinity (JSON has none; a double's overflow, 1e999, is one too)."""
+    before = await stack.snapshot()
+    headers = {**AUTH["admin"], "Content-Type": "application/json"}
+    deep = b"[" * 60_000  # under the 64 KiB body cap
+    for path, method in (("/v1/regions/eu-west/drain", "POST"), ("/v1/policies", "PUT")):
+        problem = _problem(await client.request(method, path, content=deep, headers=headers), 400)
+        assert (
+            "nested too deeply" in problem["detail"] and "nothing was changed" in problem["detail"]
+        )
+        assert "for example" in problem["fix"]
+    for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+        body = '{"reason": "x", "prewarm_fraction": ' + literal + "}"
+        problem = _problem(await client.put("/v1/policies", content=body, headers=headers), 400)
+        assert problem["detail"] == (
+            f"prewarm_fraction: {literal} is not a JSON number; nothing was changed"
+        ), problem
+        assert problem["errors"] == [f"prewarm_fraction: {literal} is not a JSON number"]
+        assert "finite number" in problem["fix"]
+    nested = '{"reason": "x", "ramp": [0.5, NaN, 1.0]}'
+    problem = _problem(await client.put("/v1/policies", content=nested, headers=headers), 400)
+    assert problem["detail"].startswith("ramp[1]: NaN is not a JSON number"), problem
+    long_int = '{"reason": "x", "strikes": ' + "9" * 5000 + "}"
+    problem = _problem(await client.put("/v1/policies", content=long_int, headers=headers), 400)
+    assert "too long" in problem["detail"], problem
+    assert await stack.snapshot() == before
+    r = await client.get("/v1/regions", headers=AUTH["viewer"])  # and it serves the rest
+    assert r.status_code == 200, r.text
+
+
+async def test_405_carries_allow(
+    stack: Stack, leader: Controller, client: httpx.AsyncClient
+) -> None:
+    """RFC 9110: a 405 lists the methods the resource allows, on both ports."""
+    for method, path, allow in (
+        ("DELETE", "/v1/regions", "GET"),
+        ("GET", "/v1/regions/eu-west/drain", "POST"),
+        ("POST", "/v1/policies", "GET, PUT"),
+    ):
+        r = await client.request(method, path, headers=AUTH["admin"])
+        problem = _problem(r, 405)
+        assert r.headers.get("allow") == allow, (method, path, r.headers)
+        assert problem["detail"] == f"{method} is not allowed on {path}; it allows {allow}"
+    runner = stack.runners["ctl-a"]  # the read port: writes are refused, reads allowed
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as read:
+            r = await read.put("/v1/policies", json={"reason": "x"}, headers=AUTH["admin"])
+            assert "read port" in _problem(r, 405)["detail"]
+            assert r.headers.get("allow") == "GET"
+            r = await read.post("/v1/regions/eu-west/drain", json={"reason": "x"})
+            _problem(r, 405)
+            assert r.headers.get("allow") == ""  # nothing is allowed there on this port
+    finally:
+        await site.stop()
+    assert (await client.get("/v1/regions", headers=AUTH["viewer"])).status_code == 200
+
+
+async def test_a_flood_of_malformed_requests_is_a_few_short_log_lines(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """A real meridian-controller: 200 requests that are not HTTP at its admin port write one
+    short line to its log, not a traceback each, and it keeps answering."""
+    read_port, admin_port = free_port(), free_port()
+    config = tmp_path / "controller.toml"
+    config.write_text(
+        f'[etcd]\nendpoints = ["{etcd.url}"]\n[election]\nid = "ctl-flood"\n'
+        f"[server]\nport = {read_port}\n[api]\nport = {admin_port}\n"
+    )
+    log = tmp_path / "controller.log"
+    argv = [sys.executable, "-m", "controlplane.cli", "--config", str(config)]
+    process = ServerProcess(argv, log_path=log)
+    try:
+        url = f"http://127.0.0.1:{admin_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=5) as c:
+            for _ in range(300):
+                if process.exit_code() is not None:
+                    raise process.failure("meridian-controller exited")
+                try:
+                    if (await c.get("/v1/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+            before = log.read_text().count("\n")
+            garbage = (
+                b"GET / HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+                b"GARBAGE\r\n\r\n",
+            )
+            for i in range(200):
+                reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+                writer.write(garbage[i % len(garbage)])
+                await asyncio.wait_for(reader.read(), timeout=10)  # a 400, then closed
+                writer.close()
+                await writer.wait_closed()
+            assert (await c.get("/v1/health")).status_code == 200
+        await asyncio.sleep(0.5)
+        text = log.read_text()
+        lines = text.splitlines()[before:]
+        assert "Traceback" not in text, text[-3000:]
+        malformed = [line for line in lines if "malformed HTTP request from 127.0.0.1" in line]
+        assert len(malformed) == 1 and " INFO aiohttp.server " in malformed[0], lines
+        assert len(malformed[0]) < 400, malformed
+    finally:
+        process.stop()

@@ -46,6 +46,8 @@ def test_bad_flags(args: list[str], needle: str) -> None:
         ('[[regions]]\nid = "EU West"\ngeo = "eu"\n', "regions.0.id"),
         ("[failover]\nramp = [0.5, 0.25, 1.0]\n", "increasing"),
         ("[failover]\nramp = [0.5, 0.9]\n", "end at 1.0"),
+        ("[api]\nbody_timeout_s = 0\n", "api.body_timeout_s"),
+        ("[server]\nmax_connections_per_ip = -1\n", "server.max_connections_per_ip"),
         (  # the fault probe's flapping geography: stale before two heartbeats
             "[failover]\nstatus_stale_s = 10\n",
             "failover.status_stale_s (10 s) must be at least twice failover.agent_heartbeat_s",

@@ -64,8 +64,29 @@ class Report:
         return row
 
     def write(self, path: Path) -> None:
+        """The rows as JSON at ``path`` and as a markdown table beside it (``.md``)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([asdict(r) for r in self.rows], indent=2) + "\n")
+        path.with_suffix(".md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        def cell(value: float | None, bound: float | None) -> str:
+            if value is None:
+                return "—"
+            return f"{value:.2f} s" + (f" (≤ {bound:.1f})" if bound is not None else "")
+
+        lines = [
+            "| fault | injected | detected | recovered | requests | lost | broken | notes |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            requests = str(r.requests) if r.requests else "—"
+            lines.append(
+                f"| {r.case} | {r.fault} | {cell(r.detect_s, r.detect_bound_s)} | "
+                f"{cell(r.recover_s, r.recover_bound_s)} | {requests} | {r.lost} | {r.broken} | "
+                f"{r.note} |"
+            )
+        return "\n".join(lines) + "\n"
 
 
 # -- traffic ------------------------------------------------------------------------------------

@@ -221,3 +221,50 @@ async def test_flapping_health_does_not_flap_the_routing(
     finally:
         for n in nodes:
             n.stop()
+
+
+async def test_an_engine_that_stops_stepping_is_cut_retried_and_ejected(
+    logs: Path, start_agent: AgentFactory, report: Report
+) -> None:
+    """The fault probe's finding: a hung engine still answers ``/health``, and six streams
+    stalled 20 s mid-stream.  Now a stream waiting longer than ``stall.first_token_s`` for its
+    first token is cut and retried on another node, one silent for ``stall.inter_token_s``
+    mid-stream ends with an error event, both count as node failures, and the generation probe
+    takes the node out."""
+    nodes = start_nodes(3, logs, time_scale=5.0)
+    generate_s = 1.0
+    try:
+        handle = await start_agent(
+            [n.url for n in nodes],
+            **{**AGENT, "health": {**AGENT["health"], "probe_generate": True,
+                                   "probe_generate_timeout_s": generate_s}},
+            stall={"first_token_s": 2.0, "inter_token_s": 1.0},
+        )  # fmt: skip
+        async with Traffic(handle.url, concurrency=6, max_tokens=24) as traffic:
+            await traffic.requests(20)
+            hung = nodes[0]
+            await _faults(hung, {"hang": True})
+            detect = await seconds_until(
+                lambda: _state(handle, hung) is not Health.HEALTHY, timeout_s=20,
+                what="the hung node leaves the rotation",
+            )  # fmt: skip
+            await traffic.requests(30)  # served elsewhere meanwhile
+            await _faults(hung, None)
+            recover = await seconds_until(
+                lambda: _state(handle, hung) is Health.HEALTHY, timeout_s=30,
+                what="the node is healthy again",
+            )  # fmt: skip
+            await traffic.requests(10)
+        t = traffic.tally
+        bound = DOWN_AFTER * (PROBE_S + generate_s) + SLACK_S + 1.0
+        report.add(Row(
+            case="engine hung", fault="hang: the engine stops stepping, /health still 200",
+            detect_s=round(detect, 2), detect_bound_s=round(bound, 2),
+            recover_s=round(recover, 2), recover_bound_s=2 * EJECT_S + SLACK_S + 4.0,
+            requests=t.total, lost=t.lost, broken=t.broken,
+            note="streams caught mid-way end with an error event after stall.inter_token_s "
+            "(broken); those without a first token are retried elsewhere (not lost)",
+        ))  # fmt: skip
+    finally:
+        for n in nodes:
+            n.stop()

@@ -93,19 +93,58 @@ _completion = st.fixed_dictionaries(
 _raw_bodies = st.one_of(
     st.binary(max_size=300),
     st.sampled_from(
-        [b"", b"{", b"[" * 50_000, b'{"model": NaN}', b'{"model": "tiny-model", "messages": '
-         b'[{"role": "user", "content": "hi"}], "temperature": Infinity}', b"\xff\xfe{}", b"null"]
-    ),  # fmt: skip
+        [
+            b"",
+            b"{",
+            b"[" * 50_000,
+            b'{"model": NaN}',
+            b'{"model": "tiny-model", "messages": '
+            b'[{"role": "user", "content": "hi"}], "temperature": Infinity}',
+            b"\xff\xfe{}",
+            b"null",
+        ]
+    ),
 )
+_valid_chat = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["system", "user", "assistant"]),
+                 "content": st.text(max_size=300)}
+            ),
+            min_size=1, max_size=4,
+        ),
+    },
+    optional={
+        "max_tokens": st.integers(1, 16),
+        "stream": st.booleans(),
+        "temperature": st.floats(0, 2),
+        "user": st.text(max_size=10),
+        "seed": st.integers(0, 2**31),
+        "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    },
+)  # fmt: skip
 _request = st.one_of(
+    st.tuples(st.just("POST"), st.just("/v1/chat/completions"), _valid_chat.map(json.dumps)),
     st.tuples(st.just("POST"), st.just("/v1/chat/completions"), _chat.map(json.dumps)),
     st.tuples(st.just("POST"), st.just("/v1/completions"), _completion.map(json.dumps)),
     st.tuples(
         st.sampled_from(["POST", "GET", "PUT", "DELETE", "PATCH"]),
-        st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/nope",
-                         "/health", "/admin/nodes", "/%00", "/v1/../admin/queue"]),
+        st.sampled_from(
+            [
+                "/v1/chat/completions",
+                "/v1/completions",
+                "/v1/models",
+                "/v1/nope",
+                "/health",
+                "/admin/nodes",
+                "/%00",
+                "/v1/../admin/queue",
+            ]
+        ),
         _raw_bodies.map(lambda b: b.decode("latin-1")),
-    ),  # fmt: skip
+    ),
 )
 
 SEEN: Counter[str] = Counter()
@@ -114,7 +153,7 @@ SEEN: Counter[str] = Counter()
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(request=_request, headers=st.dictionaries(
     st.sampled_from(["X-Priority", "X-Tenant", "X-Session-ID", "Content-Type", "X-Request-ID"]),
-    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=20),
+    st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=20),
     max_size=3,
 ))  # fmt: skip
 def test_no_request_makes_the_agent_fail(

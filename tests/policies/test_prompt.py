@@ -107,3 +107,73 @@ def test_hashes_of_a_prefix_are_a_prefix_of_the_hashes(
     head = prompt.block_hashes(a, block_size=block_size)
     assert whole[: len(head)] == head
     assert len(whole) == (len(a) + len(b)) // block_size
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        ([{"role": "user", "content": "hi \ud800"}], "messages[0].content"),
+        (
+            [{"role": "system", "content": "ok"}, {"role": "user", "content": "\udfff"}],
+            "messages[1].content",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "é\ud83d"}]}],
+            "messages[0].content[0].text",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_prompt_error_naming_the_field(
+    messages: list[object], field: str
+) -> None:
+    """Valid JSON ("\\ud800") that no UTF-8 encoder takes: a PromptError saying where, never the
+    UnicodeEncodeError the tokenizer would raise."""
+    with pytest.raises(prompt.PromptError) as raised:
+        prompt.render_chat(messages)
+    assert str(raised.value).startswith(f"{field} contains a lone surrogate (U+")
+    assert "UTF-8" in str(raised.value)
+
+
+def test_check_text_passes_valid_text_and_names_where_a_surrogate_is() -> None:
+    for text in ("", "plain", "café 😀", "\U0001f600"):
+        assert prompt.check_text(text, field="prompt") is text
+    with pytest.raises(prompt.PromptError, match=r"^prompt contains .*U\+D800 at character 3\)"):
+        prompt.check_text("abc\ud800", field="prompt")
+    with pytest.raises(prompt.PromptError, match="lone surrogate"):
+        prompt.tokenize("x \udc80 y")  # the tokenizer itself never leaks UnicodeEncodeError
+    with pytest.raises(prompt.PromptError, match="lone surrogate"):
+        prompt.tokenize_prefix("x \udc80 y", max_tokens=10)
+
+
+@given(st.text(max_size=300), st.integers(min_value=1, max_value=400))
+def test_tokenize_prefix_is_the_head_of_tokenize(text: str, max_tokens: int) -> None:
+    """Equal to ``tokenize`` for a text that fits, its first ``max_tokens`` ids otherwise, so a
+    prompt under the bound routes exactly as before."""
+    text = text.encode("utf-8", "replace").decode("utf-8")  # no lone surrogates
+    whole = prompt.tokenize(text)
+    head = prompt.tokenize_prefix(text, max_tokens=max_tokens)
+    assert head.token_ids == whole[:max_tokens]
+    assert head.complete == (len(whole) <= max_tokens)
+    if head.complete:
+        assert head.total_tokens == len(whole)
+    else:
+        assert head.total_tokens > max_tokens
+
+
+def test_tokenize_prefix_estimates_the_rest_at_the_measured_rate() -> None:
+    """Past the bound the count is estimated from the characters left at the characters per
+    token of the head: within a few percent for uniform prose, and the work stays bounded."""
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000  # 900 KB, 200k tokens
+    exact = len(prompt.tokenize(text))
+    head = prompt.tokenize_prefix(text, max_tokens=1000)
+    assert len(head.token_ids) == 1000 and not head.complete
+    assert abs(head.total_tokens - exact) / exact < 0.02, (head.total_tokens, exact)
+    with pytest.raises(ValueError, match="max_tokens"):
+        prompt.tokenize_prefix("x", max_tokens=0)
+
+
+@pytest.mark.parametrize("role", [[], {}, 5, None, ["user"]])
+def test_a_role_that_is_not_a_string_is_refused_naming_it(role: object) -> None:
+    """Found by the agent's fuzzer: ``"role": []`` (unhashable) was a 500."""
+    with pytest.raises(prompt.PromptError, match=r"messages\[0\]\.role must be one of"):
+        prompt.render_chat([{"role": role, "content": "hi"}])

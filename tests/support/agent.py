@@ -15,6 +15,7 @@ import openai
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from meridian_service import hygiene
 from regional_agent.app import AUTOSCALER, PUBLISHER, create_app
 from regional_agent.autoscaler import Autoscaler
 from regional_agent.edge import EDGE, Edge
@@ -36,6 +37,12 @@ FAST: dict[str, Any] = {
 class AgentHandle:
     url: str
     app: web.Application
+    runner: hygiene.Runner
+
+    @property
+    def connections(self) -> hygiene.Connections:
+        """The agent's open connections by client address, and what its limits did."""
+        return self.runner.connections
 
     @property
     def edge(self) -> Edge:
@@ -70,7 +77,7 @@ class AgentStarter:
     stops every agent it started, newest first."""
 
     def __init__(self) -> None:
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[hygiene.Runner] = []
 
     async def __call__(
         self, node_urls: list[str], *, policy: str = "meridian", **groups: Any
@@ -85,7 +92,10 @@ class AgentStarter:
         )
         settings = Settings(**merge(values, groups))
         app = create_app(settings, seed=0)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # as meridian-agent serves it: the connection limits of settings.server
+        runner = hygiene.runner(
+            app, settings.server.limits(), handler_cancellation=True, access_log=None
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -93,7 +103,7 @@ class AgentStarter:
         server = site._server
         assert server is not None
         port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        return AgentHandle(url=f"http://127.0.0.1:{port}", app=app)
+        return AgentHandle(url=f"http://127.0.0.1:{port}", app=app, runner=runner)
 
     async def close(self) -> None:
         for runner in reversed(self._runners):
