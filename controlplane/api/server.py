@@ -18,11 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
-import math
 import ssl
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +42,7 @@ from controlplane.api.problems import (
 from controlplane.errors import ControllerError
 from controlplane.replica import Replica
 from controlplane.settings import ControllerSettings
-from meridian_service import hygiene
+from meridian_service import hygiene, strict_json
 
 log = logging.getLogger(__name__)
 
@@ -287,53 +284,24 @@ def _endpoint(route: routes.Route) -> Handler:
     return handle
 
 
-class _NonFinite:
-    """Stands in for ``NaN``, ``Infinity`` or a number too large for a double while parsing."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
 def _parse(route: routes.Route, raw: bytes) -> pydantic.BaseModel | None:
     if route.body is None:
         return None
-    bad: list[_NonFinite] = []
-
-    def non_finite(text: str) -> object:  # Python's json accepts NaN and Infinity; JSON does not
-        bad.append(_NonFinite(text))
-        return bad[-1]
-
-    def number(text: str) -> object:
-        value = float(text)
-        return value if math.isfinite(value) else non_finite(text)
-
     try:
-        data = (
-            json.loads(raw, parse_constant=non_finite, parse_float=number) if raw.strip() else None
-        )
-    except RecursionError:
+        data = strict_json.loads(raw) if raw.strip() else None
+    except strict_json.BodyError as exc:
+        if exc.literal:
+            where = exc.field or "body"
+            raise BadRequest(
+                f"{where}: {exc.literal} is not a JSON number; nothing was changed",
+                fix="send a finite number (JSON has no NaN or Infinity), for example "
+                f"{route.example}",
+                errors=[f"{where}: {exc.literal} is not a JSON number"],
+            ) from None
         raise BadRequest(
-            "the body is nested too deeply to parse; nothing was changed",
-            fix=f"send a flat JSON object, for example {route.example}",
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(
-            f"the body is not JSON: {exc}; nothing was changed",
+            f"the body {exc.problem}; nothing was changed",
             fix=f"send a JSON object, for example {route.example}",
-        ) from exc
-    except ValueError as exc:  # Python refuses to convert an integer this long
-        raise BadRequest(
-            f"the body has an integer too long to parse (more than "
-            f"{sys.get_int_max_str_digits()} digits); nothing was changed",
-            fix=f"send numbers of an ordinary size, for example {route.example}",
-        ) from exc
-    if bad:
-        where = _path_to(data, bad[0]) or "body"
-        raise BadRequest(
-            f"{where}: {bad[0].text} is not a JSON number; nothing was changed",
-            fix=f"send a finite number (JSON has no NaN or Infinity), for example {route.example}",
-            errors=[f"{where}: {bad[0].text} is not a JSON number"],
-        )
+        ) from None
     if not isinstance(data, dict):
         raise BadRequest(
             "the body must be a JSON object; nothing was changed",
@@ -350,20 +318,6 @@ def _parse(route: routes.Route, raw: bytes) -> pydantic.BaseModel | None:
             fix=f"fix those fields, for example {route.example}",
             errors=errors,
         ) from exc
-
-
-def _path_to(data: object, target: object) -> str:
-    """Where ``target`` is in ``data``, as ``a.b[0]``; iterative (``data`` may be deep)."""
-    stack: list[tuple[object, str]] = [(data, "")]
-    while stack:
-        node, path = stack.pop()
-        if node is target:
-            return path
-        if isinstance(node, dict):
-            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
-    return ""
 
 
 def _fingerprint(request: web.Request, raw: bytes) -> str:

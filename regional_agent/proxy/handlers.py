@@ -26,8 +26,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
-import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import Span, Status, StatusCode
 
+from meridian_service import strict_json
 from policies import admission, prompt
 from policies.model import NodeId, RequestView
 from regional_agent.edge import EDGE, Edge
@@ -182,69 +181,25 @@ def _parse_body(
     return _Parsed(body=body, raw=raw, view=view, stream=stream, tokens=prompt_tokens + max_tokens)
 
 
-class _NonFinite:
-    """Stands in for a number JSON cannot hold (``NaN``, ``Infinity``, ``1e999``) while parsing,
-    so that the refusal can name the field."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
 def _loads(raw: bytes) -> object:
-    """The body as JSON, or ``BadRequest`` saying what is wrong with it.
-
-    Stricter than ``json.loads``: ``NaN``, ``Infinity`` and ``-Infinity`` (which Python accepts
-    and JSON does not) and numbers too large for a double (``1e999``, which would become an
-    infinity) are refused, naming the field, rather than forwarded to a node; nesting too deep
-    for the parser is a 400, not a ``RecursionError``."""
-    bad: list[_NonFinite] = []
-
-    def non_finite(text: str) -> object:
-        bad.append(_NonFinite(text))
-        return bad[-1]
-
-    def number(text: str) -> object:
-        value = float(text)
-        return value if math.isfinite(value) else non_finite(text)
-
+    """The body as JSON, or ``BadRequest`` saying what is wrong with it
+    (``meridian_service.strict_json``: no NaN or Infinity, no runaway nesting)."""
     try:
-        body = json.loads(raw, parse_constant=non_finite, parse_float=number)
-    except RecursionError:
-        raise BadRequest(
-            "the request body is nested too deeply: arrays and objects nested hundreds of levels "
-            "deep are more than the agent parses; send a body nested a few levels deep, as the "
-            "OpenAI API's are"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except ValueError:  # Python refuses to convert an integer this long (CVE-2020-10735)
-        raise BadRequest(
-            f"the request body has an integer of more than {sys.get_int_max_str_digits()} "
-            "digits; send numbers of an ordinary size"
-        ) from None
-    if bad:
-        where = _path_to(body, bad[0])
-        raise BadRequest(
-            f"{where or 'the request body'}: {bad[0].text} is not a JSON number; send a finite "
-            "number (JSON has no NaN or Infinity)",
-            param=where or None,
-        )
-    return body
-
-
-def _path_to(body: object, target: object) -> str:
-    """Where ``target`` is in ``body``: ``temperature``, ``messages[0].content`` ('' when it is
-    the body itself).  Iterative: the body may be as deep as the parser allows."""
-    stack: list[tuple[object, str]] = [(body, "")]
-    while stack:
-        node, path = stack.pop()
-        if node is target:
-            return path
-        if isinstance(node, dict):
-            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
-    return ""
+        return strict_json.loads(raw)
+    except strict_json.BodyError as exc:
+        if exc.literal:
+            where = exc.field
+            raise BadRequest(
+                f"{where or 'the request body'}: {exc.literal} is not a JSON number; send a "
+                "finite number (JSON has no NaN or Infinity)",
+                param=where or None,
+            ) from None
+        if exc.problem.startswith("is nested too deeply"):
+            raise BadRequest(
+                f"the request body {exc.problem}; send a body nested a few levels deep, as the "
+                "OpenAI API's are"
+            ) from None
+        raise BadRequest(f"the request body {exc.problem}") from None
 
 
 def _shown(value: object) -> str:

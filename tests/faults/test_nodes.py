@@ -71,7 +71,6 @@ async def test_a_node_killed_mid_stream(
             await traffic.requests(20)
             victim = nodes[0]
             victim.kill()  # SIGKILL: streams on it break, queued work must go elsewhere
-            killed_at = time.monotonic()
             detect = await seconds_until(
                 lambda: _state(handle, victim) is not Health.HEALTHY,
                 timeout_s=10, what="the dead node leaves the rotation",
@@ -90,8 +89,8 @@ async def test_a_node_killed_mid_stream(
             detect_s=round(detect, 2), detect_bound_s=PROBE_BOUND_S,
             recover_s=round(recover, 2), recover_bound_s=round(bound, 2),
             requests=t.total, lost=t.lost, broken=t.broken,
-            note=f"detected {time.monotonic() - killed_at:.1f} s before the end; statuses "
-            f"{t.statuses}",
+            note=f"streams on the killed node end with an error event (broken); the rest are "
+            f"retried elsewhere; statuses seen {t.statuses}",
         ))  # fmt: skip
     finally:
         for n in nodes:

@@ -1,0 +1,83 @@
+"""Request bodies parsed as JSON strictly: what ``json.loads`` lets through and JSON does not.
+
+Python's ``json`` accepts ``NaN``, ``Infinity`` and ``-Infinity``, turns ``1e999`` into an
+infinity, raises ``RecursionError`` on arrays nested a few thousand deep and ``ValueError`` on
+integers of more than ``sys.get_int_max_str_digits()`` digits.  :func:`loads` refuses each with a
+:class:`BodyError` that says what is wrong and, for a number, where (``temperature``,
+``messages[0].content``), so both HTTP edges (the agent's, the admin API's) answer a 4xx that
+names the field instead of a 500 or a NaN forwarded to a node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+
+class BodyError(ValueError):
+    """The body is not JSON a client should send.  ``problem`` reads after "the body"
+    (``is not valid JSON: ...``); for a number JSON cannot hold, ``field`` is its place
+    (``temperature``; ``""``: the body itself) and ``literal`` what was sent (``NaN``)."""
+
+    def __init__(self, problem: str, *, field: str = "", literal: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.field = field
+        self.literal = literal
+
+
+class _NonFinite:
+    """Stands in for a number JSON cannot hold while parsing, so the error can name its field."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def loads(raw: bytes | str) -> object:
+    """``raw`` as JSON; :class:`BodyError` when it is not, or holds what JSON cannot."""
+    bad: list[_NonFinite] = []
+
+    def non_finite(text: str) -> object:
+        bad.append(_NonFinite(text))
+        return bad[-1]
+
+    def number(text: str) -> object:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
+    try:
+        data = json.loads(raw, parse_constant=non_finite, parse_float=number)
+    except RecursionError:
+        raise BodyError(
+            "is nested too deeply: arrays and objects nested hundreds of levels deep are more "
+            "than the server parses"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BodyError(f"is not valid JSON: {exc}") from None
+    except ValueError:  # Python refuses to convert an integer this long (CVE-2020-10735)
+        raise BodyError(
+            f"has an integer of more than {sys.get_int_max_str_digits()} digits, too long to "
+            "parse; send numbers of an ordinary size"
+        ) from None
+    if bad:
+        where = path_to(data, bad[0])
+        raise BodyError(
+            f"has {bad[0].text}, which is not a JSON number", field=where, literal=bad[0].text
+        )
+    return data
+
+
+def path_to(data: object, target: object) -> str:
+    """Where ``target`` is in ``data``: ``temperature``, ``messages[0].content`` (``""`` when it
+    is ``data`` itself).  Iterative: ``data`` may be as deep as the parser allows."""
+    stack: list[tuple[object, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return ""
