@@ -105,9 +105,7 @@ CONTROLLER = web.AppKey("controller", Controller)
 
 def create_app(settings: ControllerSettings, *, clock: Clock | None = None) -> web.Application:
     clock = clock or WallClock()
-    store = etcd.Store(
-        etcd.ClientConfig(endpoints=settings.etcd.endpoints, timeout_s=settings.etcd.timeout_s)
-    )
+    store = etcd.Store(settings.etcd.client_config())
     election = Election(
         store=store, identity=settings.election.id, ttl_s=settings.election.lease_ttl_s, clock=clock
     )

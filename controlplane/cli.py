@@ -5,6 +5,9 @@ meridian-controller --etcd http://127.0.0.1:2379[,URL...] [--config FILE] [--win
                     [--id NAME] [--port P] [--admin-port P]
 meridian-controller dns bind-config [--config FILE] [--zone-dir DIR]
                     print the named.conf fragments for the [dns] settings (docs/dns.md)
+meridian-controller etcd bootstrap [--config FILE] [--region ID ...] [--root-password-file F]
+                    [--password-dir DIR] [--dry-run] ...
+                    etcd's roles, users and auth for least privilege (docs/security-etcd.md)
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from typing import Any
 
 import pydantic
 
+import meridian_etcd
+from controlplane import access
 from controlplane import settings as controller_settings
 from controlplane.app import create_app
 from controlplane.dns import bindconf
+from meridian_etcd import security
 from meridian_service import logs, serving, version
+from meridian_service.tls import TlsError
 
 log = logging.getLogger("meridian.controller")
 
@@ -33,6 +40,10 @@ commands:
   meridian-controller dns bind-config [--config FILE] [--zone-dir DIR]
                                   print the named.conf fragments for the [dns] settings
                                   (docs/dns.md); meridian-controller dns --help for more
+  meridian-controller etcd bootstrap [--config FILE] [--region ID ...] [--dry-run]
+                                  create etcd's roles and users (one per region, the
+                                  controller's, root) and enable auth, idempotently
+                                  (docs/security-etcd.md); meridian-controller etcd --help
 """
 
 
@@ -158,10 +169,116 @@ def dns_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def etcd_main(argv: Sequence[str]) -> int:
+    """``meridian-controller etcd bootstrap``: etcd's roles, users, auth (controlplane.access)."""
+    p = argparse.ArgumentParser(
+        prog="meridian-controller etcd",
+        description="Create in etcd, as root, a role and a user per region for its agents "
+        "(agent-<region>: its own agents' keys, its group tables, its desired state), the "
+        "controller's (meridian-controller: everything under /meridian/v1/), the root user, "
+        "and enable auth. Idempotent: what is already right is left alone, and a second run "
+        "changes nothing and says so (docs/security-etcd.md). etcd is reached as the [etcd] "
+        "settings say, the flags below overriding them.",
+    )
+    p.add_argument("command", choices=["bootstrap"], help="bootstrap: make etcd match")
+    p.add_argument("--config", type=Path, help="TOML settings file: [etcd] and [[regions]]")
+    p.add_argument("--etcd", help="etcd client URLs, comma-separated (etcd.endpoints)")
+    p.add_argument("--region", action="append", default=[],
+                   help="a region id besides the config's [[regions]]; repeat")  # fmt: skip
+    p.add_argument("--ca-file", type=Path, help="CA of the members' certificates (etcd.ca_file)")
+    p.add_argument(
+        "--cert-file", type=Path, help="client certificate to act with, CN root (etcd.cert_file)"
+    )
+    p.add_argument("--key-file", type=Path, help="its private key (etcd.key_file)")
+    p.add_argument(
+        "--root-password-file",
+        type=Path,
+        help="root's password: root is created with it and authenticates with it once auth is "
+        "on (default: etcd.password_file when etcd.user is root; without one, root has no "
+        "password and acts by a client certificate with CN root)",
+    )
+    p.add_argument(
+        "--password-dir",
+        type=Path,
+        help="a directory with one file per user to create with a password, named after the "
+        "user (agent-eu-west, meridian-controller); without it, users get no password "
+        "and are authenticated by their client certificates' CN",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would change; change nothing")
+    args = p.parse_args(argv)
+    etcd_overrides: dict[str, Any] = {}
+    if args.etcd:
+        etcd_overrides["endpoints"] = [u.strip() for u in args.etcd.split(",") if u.strip()]
+    for name in ("ca_file", "cert_file", "key_file"):
+        if getattr(args, name) is not None:
+            etcd_overrides[name] = getattr(args, name)
+    settings = _load(config_file=args.config,
+                     overrides={"etcd": etcd_overrides} if etcd_overrides else None)  # fmt: skip
+    if settings is None:
+        return 2
+    regions = sorted({r.id for r in settings.regions} | set(args.region))
+    try:
+        if not regions:
+            raise ValueError("no regions: list them in [[regions]] or give --region")
+        access.roles(regions)  # a bad region id, before etcd is touched
+        root_file = args.root_password_file
+        if root_file is None and settings.etcd.user == access.ROOT:
+            root_file = settings.etcd.password_file
+        root_password = None if root_file is None else security.read_password(
+            root_file, "--root-password-file")  # fmt: skip
+        passwords = None
+        if args.password_dir is not None:
+            passwords = {
+                u.name: security.read_password(args.password_dir / u.name, "--password-dir")
+                for u in access.users(regions)
+                if u.name != access.ROOT
+            }
+        config = meridian_etcd.ClientConfig(
+            endpoints=settings.etcd.endpoints,
+            timeout_s=settings.etcd.timeout_s,
+            ca_file=settings.etcd.ca_file,
+            cert_file=settings.etcd.cert_file,
+            key_file=settings.etcd.key_file,
+            user=None if root_password is None else access.ROOT,
+            password=root_password,
+        )
+    except ValueError as exc:
+        print(f"meridian-controller etcd: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_bootstrap(config, regions, passwords, root_password, args.dry_run))
+
+
+async def _bootstrap(
+    config: meridian_etcd.ClientConfig,
+    regions: list[str],
+    passwords: dict[str, str] | None,
+    root_password: str | None,
+    dry_run: bool,
+) -> int:
+    admin = meridian_etcd.Admin(config)
+    try:
+        report = await access.bootstrap(
+            admin,
+            regions=regions,
+            passwords=passwords,
+            root_password=root_password,
+            dry_run=dry_run,
+        )
+    except meridian_etcd.EtcdError as exc:
+        print(f"meridian-controller etcd: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await admin.close()
+    print("\n".join(report.lines()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dns"]:
         return dns_main(argv[1:])
+    if argv[:1] == ["etcd"]:
+        return etcd_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -172,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(_serve(settings))
+    except TlsError as exc:  # api.tls names files that hold no usable certificate and key
+        print(f"meridian-controller: invalid settings:\n  {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"meridian-controller: cannot listen: {exc.strerror}", file=sys.stderr)
         return 1

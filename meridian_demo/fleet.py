@@ -163,7 +163,7 @@ class Fleet:
             )  # fmt: skip
             nodes.append(self.ready(p).url)
         args = [
-            sys.executable, "-m", "regional_agent.cli", "--port", "0", "--admin-token", ADMIN_TOKEN,
+            sys.executable, "-m", "regional_agent.cli", "--port", "0",
             "--region", region, "--geo", str(info["geo"]), "--etcd", self.etcd_url,
             "--endpoint", f"https://{ADDRESSES[region]}", "--log-level", "WARNING",
             *[a for n in nodes for a in ("--node", n)],
@@ -181,6 +181,7 @@ class Fleet:
             "MERIDIAN_AGENT_REGION__WINDOW_S": str(self.window_s),
             "MERIDIAN_AGENT_REGION__MIN_INTERVAL_S": "0.5",
             "MERIDIAN_AGENT_AUTOSCALER__INTERVAL_S": "1",
+            "MERIDIAN_AGENT_ADMIN__TOKEN": ADMIN_TOKEN,  # never on the command line
         }
         self.agents[region] = self.ready(
             self.spawn(f"{region}-agent", self.agent_args[region], env=env)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -64,8 +65,13 @@ class Tally:
     errors: list[str] = field(default_factory=list)
 
 
-def _start(name: str, args: list[str]) -> Proc:
-    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True)
+def _start(name: str, args: list[str], *, env: dict[str, str] | None = None) -> Proc:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=None if env is None else {**os.environ, **env},
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("READY "):
@@ -255,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent = _start(
             "agent",
             ["regional_agent.cli", "--port", "0", "--policy", args.policy,
-             "--admin-token", ADMIN_TOKEN, "--log-level", "WARNING",
-             *[a for n in nodes for a in ("--node", n.url)]],
+             "--log-level", "WARNING", *[a for n in nodes for a in ("--node", n.url)]],
+            env={"MERIDIAN_AGENT_ADMIN__TOKEN": ADMIN_TOKEN},  # never on the command line
         )  # fmt: skip
         procs.append(agent)
         print(f"Regional agent at {agent.url} (policy {args.policy})")

@@ -4,6 +4,14 @@ expected revisions, or fenced by a leader key), and watches.
 ``Store(ClientConfig(endpoints=[...], timeout_s=2.0))``; ``await store.close()`` when done.  It
 connects lazily, on the first call.
 
+**TLS and users.**  ``https://`` endpoints with ``ca_file`` (and ``cert_file``/``key_file`` for
+etcd's ``--client-cert-auth``) are dialled over TLS, ``user`` with ``password_file`` authenticates
+on each new connection (:mod:`meridian_etcd.security`).  aetcd's client only dials plaintext, so
+:class:`_Client` overrides its ``connect`` with the same steps over a channel of ours.  etcd's
+tokens lapse (``--auth-token-ttl`` of disuse, a member's restart): a call that meets
+:class:`~meridian_etcd.errors.TokenExpired` drops the client, so the next try connects and
+authenticates again, on the same member, once.
+
 **Members.**  One client (one gRPC channel) to one member at a time serves every caller.  When a
 call finds the member unavailable (refused, timeout, no raft leader, the channel closed under it)
 the client is dropped and the call is tried on the next member, once around the list, before it
@@ -32,13 +40,28 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import aetcd
+import aetcd.watcher
+import grpc
+import grpc.aio
+from aetcd import rpc
 
 from meridian_etcd import endpoints as endpoints_
-from meridian_etcd.errors import EtcdError, Fenced, LeaseLost, Unavailable, classify, message_of
+from meridian_etcd import security
+from meridian_etcd.errors import (
+    EtcdError,
+    Fenced,
+    LeaseLost,
+    Refused,
+    TokenExpired,
+    Unavailable,
+    classify,
+    message_of,
+    status_code,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +78,54 @@ _CHANNEL_OPTIONS: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientConfig:
-    """How to reach etcd: the members' client URLs and the time limit of one call."""
+    """How to reach etcd: the members' client URLs, the time limit of one call, and how to
+    prove who the client is (:mod:`meridian_etcd.security`).
+
+    ``ca_file``: the CA that signed the members' certificates (required with ``https://``
+    endpoints, refused with ``http://`` ones); ``cert_file`` and ``key_file``: the client
+    certificate etcd's ``--client-cert-auth`` asks for, whose CN etcd takes as the user;
+    ``user`` with ``password_file`` (or ``password``, a secret kept out of the repr): an etcd
+    user authenticated by password."""
 
     endpoints: Sequence[str]
     timeout_s: float = 3.0
+    ca_file: security.PathLike | None = None
+    cert_file: security.PathLike | None = None
+    key_file: security.PathLike | None = None
+    user: str | None = None
+    password_file: security.PathLike | None = None
+    password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        endpoints_.parse_all(self.endpoints)  # ValueError naming the bad URL
+        security.check(  # ValueError naming the bad URL or setting; files are read by the Store
+            endpoints=list(self.endpoints),
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            user=self.user,
+            password_file=self.password_file,
+            password=self.password,
+            files=False,
+        )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the members are dialled over TLS (``https://``)."""
+        return endpoints_.parse(self.endpoints[0]).tls
+
+    def credentials(self) -> security.Credentials:
+        """Read the files now; ``ValueError`` naming the one that cannot be read."""
+        return security.load(
+            tls=self.tls,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            user=self.user,
+            password_file=self.password_file,
+            password=self.password,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,10 +180,80 @@ class Fence:
     create_revision: int
 
 
+_AUTH_NOT_ENABLED = "authentication is not enabled"
+_INVALID_WATCH_ID = -1  # etcd's answer to a watch it refuses (permission denied, stale token)
+
+
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
+    """aetcd's client over a channel of ours: TLS when given credentials, plaintext without.
+
+    ``connect`` does what aetcd 1.0's does (one connection however many callers wait for it;
+    authenticate when a user is given and carry the token in the calls' metadata; the stubs
+    and the watcher), except that it builds ``grpc.aio.secure_channel`` with the channel
+    credentials, and that, as etcd's clientv3 does, a cluster whose auth is not enabled yet is
+    used without a token rather than refused (the bootstrap enables it)."""
+
+    _is_connecting: bool  # aetcd's, set in its __init__
+
+    def __init__(
+        self, *, channel_credentials: grpc.ChannelCredentials | None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._channel_credentials = channel_credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another caller is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            options = list(self._options.items())
+            if self._channel_credentials is None:
+                self.channel = grpc.aio.insecure_channel(target, options=options)
+            else:
+                self.channel = grpc.aio.secure_channel(
+                    target, self._channel_credentials, options=options
+                )
+            self.auth_stub = rpc.AuthStub(self.channel)
+            if self._username is not None and self._password is not None:
+                request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                try:
+                    reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                except grpc.aio.AioRpcError as exc:
+                    if not (
+                        exc.code() is grpc.StatusCode.FAILED_PRECONDITION
+                        and _AUTH_NOT_ENABLED in (exc.details() or "")
+                    ):
+                        raise
+                else:
+                    self.metadata = (("token", reply.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        except BaseException:
+            if self.channel is not None:  # authentication failed: no channel left behind
+                with contextlib.suppress(Exception):
+                    await self.channel.close()
+                self._init_channel_attrs()
+            raise
+        finally:
+            self._is_connecting = False
+
+
 class Store:
     def __init__(self, config: ClientConfig) -> None:
         self._endpoints = endpoints_.parse_all(config.endpoints)
         self._timeout_s = config.timeout_s
+        self._config = config
+        self._credentials = config.credentials()  # ValueError naming an unreadable file
         self._index = 0
         self._client: aetcd.Client | None = None
         self._generation = 0  # bumped whenever the client is dropped
@@ -305,9 +437,18 @@ class Store:
             raise Unavailable("the etcd client is closed")
         if self._client is None:
             endpoint = self._endpoints[self._index]
-            self._client = aetcd.Client(
+            if self._generation > 0:  # a new connection: the files again (rotated certificates)
+                try:
+                    self._credentials = self._config.credentials()
+                except ValueError as exc:
+                    log.warning("etcd credentials not reloaded, the last good ones kept: %s", exc)
+            credentials = self._credentials
+            self._client = _Client(
+                channel_credentials=credentials.channel,
                 host=endpoint.host,
                 port=endpoint.port,
+                username=credentials.user,
+                password=credentials.password,
                 timeout=self._timeout_s,
                 options=_CHANNEL_OPTIONS,
                 connect_wait_timeout=max(1, round(self._timeout_s)),
@@ -315,9 +456,11 @@ class Store:
         return self._client, self._generation
 
     async def _call(self, what: str, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run ``op(client)``; on an unavailable member, on the next one, once around."""
+        """Run ``op(client)``; on an unavailable member, on the next one, once around; on an
+        expired token, once more after authenticating again."""
         attempts = len(self._endpoints)
         closed_under_us = False
+        reauthenticated = False
         while True:
             client, generation = self._connected()
             try:
@@ -328,6 +471,9 @@ class Store:
                 error = await self._translate(what, exc, generation)
                 if error is None:
                     raise
+                if isinstance(error, TokenExpired) and not reauthenticated and not self._closed:
+                    reauthenticated = True  # the client was dropped: the next one authenticates
+                    continue
                 if isinstance(error, Unavailable) and not self._closed:
                     if replaced and isinstance(exc, asyncio.CancelledError) and not closed_under_us:
                         closed_under_us = True  # not this member's fault: once more, not counted
@@ -344,13 +490,28 @@ class Store:
     async def _start_watch(
         self, target: str, start: Callable[[aetcd.Client], Awaitable[Any]]
     ) -> tuple[Any, int]:
-        """The watch ``start`` opens on the current client, and that client's generation."""
-        client, generation = self._connected()
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await start(client), generation
-        except BaseException as exc:
-            await self._raise_translated(f"watch {target}", exc, generation)
+        """The watch ``start`` opens on the current client, and that client's generation.
+
+        etcd refuses a watch by answering it created and cancelled at once, with no id (aetcd
+        hands back a watch that never yields): for want of permission, or because the stream's
+        token expired.  With a password, the client authenticates again and tries once more;
+        else, or again refused, :class:`Refused`."""
+        for attempt in (1, 2):
+            client, generation = self._connected()
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    watch = await start(client)
+            except BaseException as exc:
+                await self._raise_translated(f"watch {target}", exc, generation)
+            if getattr(watch, "watch_id", None) != _INVALID_WATCH_ID:
+                return watch, generation
+            await self._cancel_watch(watch)
+            if attempt == 1 and self._credentials.password is not None:
+                await self._drop(generation, reason="watch refused: authenticating again",
+                                 rotate=False)  # fmt: skip
+                continue
+            break
+        raise Refused(f"etcd {self.endpoint}: cannot watch {target}: etcdserver: permission denied")
 
     async def _watch_ended(self, target: str, generation: int) -> Unavailable:
         """The error for a watch stream that ended without one; drops the client it ran on."""
@@ -388,11 +549,17 @@ class Store:
         elif isinstance(exc, asyncio.CancelledError):
             detail = "the connection was closed under the call"
         else:
-            detail = message_of(exc)
+            detail = message_of(exc) + self._hint(exc)
+        if kind is TokenExpired and self._credentials.password is None:
+            kind = Refused  # no token to renew: only credentials can cure it
+            detail += (
+                " (etcd has auth enabled: give a user and password file, or a client "
+                "certificate whose CN is an etcd user)"
+            )
         where = f"etcd {self.endpoint}" + (" unreachable" if kind is Unavailable else "")
         error = kind(f"{where}: cannot {what}: {detail}")
         if isinstance(error, Unavailable):
-            await self._drop(generation, reason=detail)
+            await self._drop(generation, reason=detail, rotate=not isinstance(error, TokenExpired))
         error.stale = self._answered_s > failed_s  # another call succeeded meanwhile
         log.debug(
             "etcd call failed what=%s generation=%d kind=%s stale=%s error=%s",
@@ -403,6 +570,30 @@ class Store:
             error.message,
         )
         return error
+
+    async def _reconnect(self, reason: str) -> None:
+        """Drop the client: the next call connects (and authenticates) again, same member."""
+        await self._drop(self._generation, reason=reason, rotate=False)
+
+    def _hint(self, exc: BaseException) -> str:
+        """What a connection failure of gRPC's usually means here, when it is about TLS."""
+        if status_code(exc) is not grpc.StatusCode.UNAVAILABLE:
+            return ""
+        text = message_of(exc)
+        if not self._endpoints[0].tls and "Socket closed" in text:
+            return (
+                " (a member that serves TLS closes plaintext connections: if it does, write "
+                "https:// endpoints and set the CA file)"
+            )
+        if self._endpoints[0].tls and any(
+            m in text for m in ("TSI_", "SSL", "ssl", "handshake", "certificate")
+        ):
+            return (
+                " (the TLS handshake failed: check that the CA file signed the member's "
+                "certificate, whose names must include the endpoint's host, and that the "
+                "member trusts the client certificate)"
+            )
+        return ""
 
     async def _drop(self, generation: int, *, reason: str, rotate: bool = True) -> None:
         """Close the client that failed (once, whoever notices first) and move to the next

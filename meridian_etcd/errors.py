@@ -4,7 +4,11 @@
 
     EtcdError                 message, retryable, stale
     ├── Unavailable           no member answered in time: refused, reset, timeout, no raft leader,
-    │                         a channel closed under the call.  Retry later (fail static meanwhile)
+    │   │                     a channel closed under the call.  Retry later (fail static meanwhile)
+    │   └── TokenExpired      etcd no longer takes the auth token the client got for its user: it
+    │                         expired (--auth-token-ttl, 300 s of disuse), the member restarted
+    │                         (simple tokens live in its memory) or the auth store changed.  The
+    │                         client authenticates again and retries once by itself
     ├── LeaseLost             etcd no longer knows the lease (it expired, or etcd lost its data):
     │                         grant a new one and put its keys again
     ├── Fenced                a fenced transaction's guard failed: the fence key changed, so the
@@ -19,7 +23,9 @@ failed (calls on a connection being replaced can fail late): etcd answers, the f
 aetcd, ``grpc`` and ``grpc.aio`` define is named in :data:`BY_CLASS` (a test enumerates them, in
 the style of httpx's ``test_httpcore_all_exceptions_mapped``), and every gRPC status code but OK in
 :data:`BY_STATUS`: aetcd raises its generic ``ClientError`` from the ``AioRpcError`` of a code it
-does not map, so the code under it decides.
+does not map, so the code under it decides.  A few of etcd's answers share a code with others
+that mean something else (a lost lease is NOT_FOUND, an expired token UNAUTHENTICATED like a
+refused one): :data:`BY_DETAILS` picks them out by code and words before either table.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ class EtcdError(Exception):
 
 class Unavailable(EtcdError):
     retryable = True
+
+
+class TokenExpired(Unavailable):
+    """The user's auth token is no longer valid: authenticate again (the client does)."""
 
 
 class LeaseLost(EtcdError):
@@ -78,7 +88,7 @@ BY_STATUS: dict[grpc.StatusCode, Kind] = {
     grpc.StatusCode.INTERNAL: Unavailable,  # this member is in trouble: try the next
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DATA_LOSS: Unavailable,
-    grpc.StatusCode.UNAUTHENTICATED: Refused,
+    grpc.StatusCode.UNAUTHENTICATED: Refused,  # "invalid auth token": TokenExpired, by its words
 }
 
 # Every exception class of aetcd.exceptions, grpc and grpc.aio.  ``None``: decided by the gRPC
@@ -109,25 +119,41 @@ BY_CLASS: dict[type[BaseException], Kind | None] = {
     asyncio.CancelledError: Unavailable,  # only when not our own task's: see the client
 }
 
-_LEASE_NOT_FOUND = "requested lease not found"
+# etcd's answers that a code alone does not tell apart (etcd's api/v3rpc/rpctypes/error.go), by
+# code and a phrase of the details.  The client answers a TokenExpired by authenticating again
+# (as etcd's own clientv3 refreshes its token on these three); "user name is empty" is what a
+# client without a token meets once auth is enabled, which only credentials can cure.
+BY_DETAILS: dict[tuple[grpc.StatusCode, str], Kind] = {
+    (grpc.StatusCode.NOT_FOUND, "requested lease not found"): LeaseLost,
+    (grpc.StatusCode.UNAUTHENTICATED, "invalid auth token"): TokenExpired,
+    (grpc.StatusCode.INVALID_ARGUMENT, "revision of auth store is old"): TokenExpired,
+    (grpc.StatusCode.INVALID_ARGUMENT, "user name is empty"): TokenExpired,
+    # "auth: authentication failed, password was given for no password user": UNKNOWN, which
+    # alone would read as a member in trouble
+    (grpc.StatusCode.UNKNOWN, "authentication failed"): Refused,
+}
 
 
 def classify(exc: BaseException) -> Kind | None:
     """The error class for ``exc``, or ``None`` when it is no etcd failure (a bug: let it rise).
 
-    The most specific class in :data:`BY_CLASS` along ``exc``'s MRO decides; where that says
-    ``None``, the gRPC status code of ``exc`` (or of the ``AioRpcError`` it was raised from) does.
+    An answer of etcd's listed in :data:`BY_DETAILS` is that kind.  Otherwise the most specific
+    class in :data:`BY_CLASS` along ``exc``'s MRO decides; where that says ``None``, the gRPC
+    status code of ``exc`` (or of the ``AioRpcError`` it was raised from) does.
     """
     for cls in type(exc).__mro__:
         if cls in BY_CLASS:
+            code = status_code(exc)
+            if code is not None:
+                details = message_of(exc)
+                for (known, phrase), special in BY_DETAILS.items():
+                    if code is known and phrase in details:
+                        return special
             kind = BY_CLASS[cls]
             if kind is not None:
                 return kind
-            code = status_code(exc)
             if code is None:
                 return Unavailable
-            if code is grpc.StatusCode.NOT_FOUND and _LEASE_NOT_FOUND in message_of(exc):
-                return LeaseLost
             return BY_STATUS.get(code, Unavailable)
     return None
 

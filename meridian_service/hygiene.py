@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class Connections:
         self.limits = limits
         self.label = label
         self.by_address: dict[str, int] = {}
+        self.accepted = 0  # connections admitted, ever
         self.refused = 0
         self.header_timeouts = 0
         self.body_timeouts = 0
@@ -113,6 +115,7 @@ class Connections:
             )
             return False
         self.by_address[address] = held + 1
+        self.accepted += 1
         return True
 
     def release(self, address: str) -> None:
@@ -180,9 +183,63 @@ def runner(
 ) -> Runner:
     """``app``'s runner with ``limits`` applied; ``kwargs`` go to ``web.AppRunner``
     (``handler_cancellation``, ``access_log``, ...).  ``label`` names the settings group in logs.
-    Start sites on it as on any runner (``web.TCPSite(runner, host, port)``)."""
+    Start sites on it with :func:`site` (or as on any runner, ``web.TCPSite(runner, host,
+    port)``, which leaves a TLS handshake asyncio's 60 s)."""
     _check_aiohttp()
     return Runner(app, limits, label=label, **kwargs)
+
+
+class Site(web.TCPSite):
+    """A TCP site whose TLS handshakes must complete within the runner's ``header_timeout_s``
+    (asyncio's ``ssl_handshake_timeout``; else 60 s), so a client that opens a connection and
+    never finishes its ClientHello is cut as one that never sends its headers is."""
+
+    __slots__ = ("_handshake_timeout_s",)
+
+    def __init__(
+        self,
+        runner: Runner,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self._handshake_timeout_s = runner.connections.limits.header_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            await super().start()
+            return
+        self._runner._reg_site(self)  # BaseSite.start; then TCPSite.start's create_server, timed
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._handshake_timeout_s,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    @property
+    def bound_port(self) -> int:
+        """The port the site listens on (the one picked when it was asked for 0)."""
+        server = self._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else int(self._port)
+
+
+def site(
+    runner: Runner, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None
+) -> Site:
+    """A site of ``runner`` on ``host:port``, HTTPS with ``ssl_context`` (see :class:`Site`)."""
+    return Site(runner, host, port, ssl_context=ssl_context)
 
 
 def _check_aiohttp() -> None:

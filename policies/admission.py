@@ -6,7 +6,11 @@
   A request is promoted one class for every ``max_wait_low_s`` it has waited, so a low-priority
   request waits at most about ``2 * max_wait_low_s`` behind a steady stream of high-priority ones
   before it competes with them as an equal: nothing starves.
-- **Depth**: past ``max_depth`` waiting requests for a model, new ones are refused (429).
+- **Depth**: past ``max_depth`` waiting requests for a model, a new request is refused (429)
+  unless it outranks someone waiting: then the newest waiting request of the lowest class
+  below it is shed (answered 429) and the newcomer takes its place (:func:`make_room`).  Under
+  pressure the lowest class goes first; a burst of low-priority requests cannot push a
+  high-priority one into 429.
 - **Retry budget** (as in Finagle and gRPC): each request deposits ``ratio`` of a retry, each
   retry spends one, and ``min_per_s`` retries per second are always allowed, so retries cannot
   multiply the load of a region that is already failing.
@@ -71,6 +75,27 @@ def order(waiting: Sequence[Waiting], *, now: float, max_wait_low_s: float) -> l
 def admit(depth: int, *, max_depth: int) -> bool:
     """May one more request wait behind ``depth`` others?"""
     return depth < max_depth
+
+
+def make_room(
+    waiting: Sequence[Waiting], *, priority: int, now: float, max_wait_low_s: float
+) -> Waiting | None:
+    """The request to shed so that a newcomer of ``priority`` may wait in a full queue: the
+    newest of the lowest class strictly below the newcomer's, or ``None`` (refuse the
+    newcomer) when nobody waiting ranks below it.
+
+    Classes are compared as the queue orders them (:func:`effective_priority`): a low request
+    promoted by its wait competes as an equal and is not shed for a newcomer it now equals."""
+    victim: Waiting | None = None
+    victim_key: tuple[int, int] | None = None
+    for item in waiting:
+        rank = effective_priority(item, now=now, max_wait_low_s=max_wait_low_s)
+        if rank <= priority:
+            continue
+        key = (rank, item.seq)
+        if victim_key is None or key > victim_key:
+            victim, victim_key = item, key
+    return victim
 
 
 class RetryBudget:

@@ -1,4 +1,6 @@
-"""The agent's admin endpoints, behind ``Authorization: Bearer <admin.token>``.
+"""The agent's admin endpoints, behind ``Authorization: Bearer <admin token>``
+(``admin.token_file``, ``admin.token_sha256`` or ``MERIDIAN_AGENT_ADMIN__TOKEN``; only its
+hash is kept, ``AdminSettings.verify``).
 
 =======  ===============================  ===================================================
 GET      /admin/nodes                     every node: state, load, telemetry, health, reasons
@@ -16,7 +18,6 @@ GET      /admin/queue                     waiting requests per model, decisions 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -48,14 +49,15 @@ def add_routes(app: web.Application) -> None:
 
 def _authorize(request: web.Request) -> Edge:
     agent = request.app[EDGE]
-    token = agent.settings.admin.token
-    if token is None:
-        raise Unauthorized("the admin API is disabled: start the agent with admin.token set")
+    admin = agent.settings.admin
+    if not admin.enabled:
+        raise Unauthorized(
+            "the admin API is disabled: start the agent with admin.token_file, "
+            "admin.token_sha256 or MERIDIAN_AGENT_ADMIN__TOKEN set"
+        )
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.get_secret_value().encode()
-    ):
+    if scheme.lower() != "bearer" or not admin.verify(given):
         raise Unauthorized("send 'Authorization: Bearer <admin token>'")
     return agent
 

@@ -10,9 +10,12 @@
 ====================  ==========================================================================
 
 Background tasks (telemetry scrapes, health probes, model discovery, drain supervision; with a
-region and etcd set, the publisher's liveness, status and desired-state loops; with an
-actuator set, the autoscaler) start from ``cleanup_ctx`` through one guard that logs a crash,
-and stop with the app.
+keys file, its change check; with a region and etcd set, the publisher's liveness, status,
+desired-state and replica loops; with an actuator set, the autoscaler) start from
+``cleanup_ctx`` through one guard that logs a crash, and stop with the app.
+
+``reload_on_signal(app)`` is what SIGHUP does to a serving agent (``meridian-agent`` installs
+it): the keys file is read again, and the TLS certificates too (``meridian_service.tls``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 import meridian_etcd as etcd
+from meridian_service import tls
 from meridian_service.clock import Clock, MonotonicClock
 from policies import admission, routing
 from policies.group_routing import GroupPolicy
@@ -35,7 +39,14 @@ from policies.model import AdminState
 from regional_agent import admin, autoscaler
 from regional_agent.autoscaler import Autoscaler
 from regional_agent.edge import EDGE, Edge
-from regional_agent.errors import AgentError, BodyTooLarge, QueueFull, UpstreamError
+from regional_agent.errors import (
+    AgentError,
+    BodyTooLarge,
+    InvalidKey,
+    QueueFull,
+    RateLimited,
+    UpstreamError,
+)
 from regional_agent.group_routing import GroupTables
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
@@ -47,6 +58,7 @@ from regional_agent.retry import Backoff, supervise
 from regional_agent.roster import Roster, make_node
 from regional_agent.settings import GROUPS_POLICY, Settings
 from regional_agent.telemetry import Scraper
+from regional_agent.tenants import Tenants
 from regional_agent.upstream import NodeClient
 
 log = logging.getLogger(__name__)
@@ -123,6 +135,7 @@ def create_app(
             ratio=settings.retry.budget_ratio, min_per_s=settings.retry.budget_min_per_s
         ),
         routing_config=config,
+        tenants=Tenants(settings.tenants, clock=clock),
         group_policy=group_policy,
     )
     app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
@@ -140,11 +153,7 @@ def create_app(
         app[AUTOSCALER] = scaler
     if settings.region.publishing:
         app[PUBLISHER] = Publisher(
-            store=etcd.Store(
-                etcd.ClientConfig(
-                    endpoints=settings.region.etcd, timeout_s=settings.region.etcd_timeout_s
-                )
-            ),
+            store=etcd.Store(settings.region.etcd_client()),
             settings=settings.region,
             pool=pool,
             queue_depth=dispatcher.depth,
@@ -153,6 +162,7 @@ def create_app(
             rng=random.Random(rng.random()),
             on_floor=None if scaler is None else scaler.set_floor,
             tables=group_tables,
+            on_replicas=edge.tenants.set_replicas,
         )
     app[_RNG] = random.Random(rng.random())
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -197,10 +207,8 @@ async def metrics(request: web.Request) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except QueueFull as exc:
-        return web.json_response(
-            exc.body(), status=exc.http_status, headers={"Retry-After": str(exc.retry_after_s)}
-        )
+    except (QueueFull, RateLimited, InvalidKey) as exc:  # counted, not logged: they come in floods
+        return web.json_response(exc.body(), status=exc.http_status, headers=exc.headers())
     except AgentError as exc:
         if not isinstance(exc, UpstreamError):
             log.info(
@@ -209,7 +217,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                 exc.http_status,
                 exc.message,
             )
-        return web.json_response(exc.body(), status=exc.http_status)
+        return web.json_response(exc.body(), status=exc.http_status, headers=exc.headers())
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[EDGE].settings.server.max_body_bytes
         too_large = BodyTooLarge(
@@ -252,6 +260,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     edge = app[EDGE]
     settings = edge.settings
     await edge.roster.refresh_models()
+    _announce_tenants(edge)
     tasks = [
         _spawn("telemetry", edge.scraper.run()),
         _spawn("health", edge.health.run()),
@@ -265,9 +274,12 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         backoff = Backoff(base_s=1.0, max_s=30.0, rng=backoff_rng)
         tasks.append(_spawn(name, supervise(name, loop, backoff=backoff)))
 
+    if not edge.tenants.open:
+        supervised("keys-file", edge.tenants.watch_loop)
     if scaler is not None:
         supervised("autoscaler", scaler.run)
     if publisher is not None:
+        supervised("replicas", publisher.replicas_loop)
         supervised("alive", publisher.alive_loop)
         supervised("status", publisher.status_loop)
         supervised("desired", publisher.desired_loop)
@@ -287,6 +299,34 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     await edge.client.close()
     edge.close()
     edge.instruments.shutdown()
+
+
+def _announce_tenants(edge: Edge) -> None:
+    tenants = edge.tenants
+    if tenants.open:
+        log.warning(
+            "the data plane is open: no API keys (tenants.keys_file is unset), every client is "
+            "served and its X-Priority and X-Tenant are trusted; run it so only on a trusted "
+            "network, or set tenants.keys_file"
+        )
+        return
+    count, keys = tenants.counts
+    log.info(
+        "API keys in force file=%s tenants=%d keys=%d (reloaded on change and on SIGHUP)",
+        edge.settings.tenants.keys_file,
+        count,
+        keys,
+    )
+
+
+def reload_on_signal(app: web.Application) -> None:
+    """SIGHUP: read the keys file again (a bad one keeps the keys in force) and the TLS
+    certificates (``meridian_service.tls.reload_all``), each logging what it did."""
+    edge = app[EDGE]
+    log.info("SIGHUP: reloading API keys and TLS certificates")
+    edge.tenants.reload(reason="SIGHUP")
+    if tls.live():
+        tls.reload_all()
 
 
 def _spawn(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

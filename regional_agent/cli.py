@@ -1,9 +1,18 @@
 """``meridian-agent``: the region's OpenAI-compatible routing proxy.
 
     meridian-agent --port 8080 --node http://127.0.0.1:8001 --node http://127.0.0.1:8002 \\
-                   [--policy meridian] [--config agent.toml] [--admin-token TOKEN] \\
+                   [--policy meridian] [--config agent.toml] \\
                    [--region eu-west --geo eu --residency eu --endpoint https://eu.example.com \\
                     --etcd http://10.0.0.1:2379,http://10.0.0.2:2379 [--actuator dry-run]]
+
+The admin token never goes on the command line (``ps`` shows every process's arguments to every
+user): ``admin.token_file``, ``admin.token_sha256`` or ``MERIDIAN_AGENT_ADMIN__TOKEN``
+(docs/security.md).  With ``server.tls_cert_file`` and ``server.tls_key_file`` the agent serves
+HTTPS and reads the pair again on SIGHUP.
+
+With ``tenants.keys_file`` the data plane takes API keys (docs/agent.md, "Tenants, keys and
+rate limits"); SIGHUP reads that file again too.  ``meridian-agent key new [--tenant T]``
+prints a new key and the keys-file entry with its hash.
 
 With ``--region`` and ``--etcd`` the agent publishes its liveness and status to etcd and follows
 the controller's desired state for the region (docs/agent-publisher.md).
@@ -16,7 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,8 +39,10 @@ import pydantic
 
 from meridian_service import logs, serving, version
 from meridian_service import settings as settings_loading
+from meridian_service.tls import ServerTls, TlsError
 from regional_agent import settings as agent_settings
-from regional_agent.app import create_app
+from regional_agent.app import create_app, reload_on_signal
+from regional_agent.tenants import new_key
 
 log = logging.getLogger("meridian.agent")
 
@@ -41,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--node", action="append", default=[], metavar="URL", help="a node's base URL (repeat)"
     )
     p.add_argument("--policy", help="routing policy (routing.policy)")
-    p.add_argument("--admin-token", help="bearer token for /admin/* (admin.token)")
+    # Gone: a token in argv is readable by every user of the host.  Kept only to say so.
+    p.add_argument("--admin-token", help=argparse.SUPPRESS)
     p.add_argument("--region", help="region id, e.g. eu-west (region.id)")
     p.add_argument("--geo", help="geography the region serves, e.g. eu (region.geo)")
     p.add_argument(
@@ -80,8 +96,6 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["nodes"] = [{"url": url} for url in args.node]
     if args.policy is not None:
         out["routing"] = {"policy": args.policy}
-    if args.admin_token is not None:
-        out["admin"] = {"token": args.admin_token}
     region: dict[str, Any] = {}
     if args.region is not None:
         region["id"] = args.region
@@ -104,11 +118,34 @@ def _split(*values: str) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-async def _serve(settings: agent_settings.Settings) -> None:
+NO_TOKEN_FLAG = (
+    "meridian-agent: --admin-token is no longer taken: a token on the command line is visible "
+    "to every user of the host (ps, /proc/<pid>/cmdline). Put it in a file readable by the "
+    "agent only (admin.token_file), in the environment (MERIDIAN_AGENT_ADMIN__TOKEN), or "
+    "configure its SHA-256 (admin.token_sha256); and replace this token, it has been exposed"
+)
+
+# Environment variables that carry secrets: removed once the settings are read, so that the
+# processes the agent starts (autoscaler hooks, simulated nodes) do not inherit them.
+_SECRET_ENV = re.compile(r"^MERIDIAN_AGENT_.*(TOKEN|PASSWORD|SECRET|API_KEYS?)$", re.IGNORECASE)
+
+
+def _forget_secret_env() -> None:
+    for name in [n for n in os.environ if _SECRET_ENV.match(n)]:
+        del os.environ[name]
+
+
+async def _serve(settings: agent_settings.Settings, tls: ServerTls | None) -> None:
+    app = create_app(settings)
+
     def ready(port: int) -> None:
+        # SIGHUP: the API keys and the TLS certificates (this replaces serve's TLS-only one)
+        with contextlib.suppress(NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal, app)
         log.info(
-            "meridian-agent listening url=http://%s:%d policy=%s nodes=%d",
-            settings.server.host, port, settings.routing.policy, len(settings.nodes),
+            "meridian-agent listening url=%s://%s:%d policy=%s nodes=%d",
+            "https" if tls else "http", settings.server.host, port, settings.routing.policy,
+            len(settings.nodes),
         )  # fmt: skip
         region = settings.region
         if region.publishing:
@@ -121,21 +158,47 @@ async def _serve(settings: agent_settings.Settings) -> None:
             log.warning("region=%s set without etcd: not publishing (pass --etcd URL)", region.id)
 
     await serving.serve(
-        create_app(settings),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         handler_cancellation=True,
         limits=settings.server.limits(),
+        tls=tls,
         on_ready=ready,
     )
 
 
+def key_main(argv: Sequence[str]) -> int:
+    """``meridian-agent key new [--tenant T] [--name LABEL]``: a new API key and the keys-file
+    entry with its hash (as ``meridianctl token new`` does for the controller's tokens)."""
+    p = argparse.ArgumentParser(
+        prog="meridian-agent key", description="make an API key for tenants.keys_file"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    new = sub.add_parser("new", help="print a new random key and its [[tenants.keys]] entry")
+    new.add_argument("--tenant", help="the tenant it is for (named in the comment)")
+    new.add_argument("--name", default="", help="a label for the key, e.g. 2026-03")
+    args = p.parse_args(argv)
+    key, sha256 = new_key()
+    where = f"the [[tenants]] entry of {args.tenant}" if args.tenant else "its tenant's [[tenants]]"
+    print(key)
+    print(f"# give the key above to its holder only; add this under {where} in the keys file:")
+    print(f'[[tenants.keys]]\nname = "{args.name}"\nsha256 = "{sha256}"')
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["key"]:
+        return key_main(given[1:])
+    args = build_parser().parse_args(given)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     logs.install()  # a malformed HTTP request: one short line, rate-limited, not a traceback
+    if args.admin_token is not None:
+        print(NO_TOKEN_FLAG, file=sys.stderr)
+        return 2
     try:
         settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
     except pydantic.ValidationError as exc:
@@ -143,6 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        _forget_secret_env()
+    try:
+        tls = settings.server.tls()
+    except TlsError as exc:
+        print(f"meridian-agent: invalid settings:\n  {exc}", file=sys.stderr)
         return 2
     autoscaled = settings.region.publishing and settings.autoscaler.actuator == "simulator"
     if not settings.nodes and not autoscaled:
@@ -153,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        asyncio.run(_serve(settings))
+        asyncio.run(_serve(settings, tls))
     except OSError as exc:
         print(
             f"meridian-agent: cannot listen on {settings.server.host}:{settings.server.port}: "

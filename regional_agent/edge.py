@@ -38,6 +38,7 @@ from regional_agent.queue import Dispatcher
 from regional_agent.roster import Roster
 from regional_agent.settings import Settings
 from regional_agent.telemetry import Scraper
+from regional_agent.tenants import Tenants
 from regional_agent.upstream import NodeClient
 
 T = TypeVar("T")
@@ -57,6 +58,7 @@ class Edge:
     instruments: Instruments
     budget: admission.RetryBudget
     routing_config: routing.RoutingConfig
+    tenants: Tenants  # API keys, tenants and their rate limits (open mode: no keys)
     group_policy: GroupPolicy | None = None  # with group tables (routing.policy = "groups")
     _parse_threads: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 

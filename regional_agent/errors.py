@@ -7,9 +7,12 @@
     │   ├── BodyTooLarge            413
     │   └── UnknownModel            404  no node serves the model
     ├── Unauthorized                401  admin token missing or wrong
+    │   └── InvalidKey              401  data-plane API key missing or wrong
+    ├── Forbidden                   403  the API key's tenant may not use the model
     ├── NotFound                    404  admin: no such node
     ├── Conflict                    409  admin: node already exists
     ├── QueueFull                   429  the central queue is at its limit (Retry-After)
+    ├── RateLimited                 429  the tenant's RPM or TPM is used up (x-ratelimit-*)
     ├── DeadlineExceeded            504  waited in the queue past the deadline
     ├── NoCapacity                  503  no routable node for the model
     └── UpstreamError               a node failed; raised only by ``upstream/``
@@ -41,6 +44,10 @@ class AgentError(Exception):
         self.message = message
         self.param = param
 
+    def headers(self) -> dict[str, str]:
+        """Headers the error's response carries besides the body (Retry-After, ...)."""
+        return {}
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -71,6 +78,15 @@ class Unauthorized(AgentError):
     openai_type = "AuthenticationError"
 
 
+class InvalidKey(Unauthorized):
+    """The data plane's API key is missing or not valid (one answer for both)."""
+
+
+class Forbidden(AgentError):
+    http_status = 403
+    openai_type = "PermissionDeniedError"
+
+
 class NotFound(AgentError):
     http_status = 404
     openai_type = "NotFoundError"
@@ -88,6 +104,25 @@ class QueueFull(AgentError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class RateLimited(AgentError):
+    """A tenant's rate limit refused the request; ``limit_headers`` are the ``x-ratelimit-*``
+    headers and ``Retry-After``."""
+
+    http_status = 429
+    openai_type = "RateLimitError"
+
+    def __init__(self, message: str, *, limit_headers: dict[str, str], cause: str = "") -> None:
+        super().__init__(message)
+        self.limit_headers = limit_headers
+        self.cause = cause  # requests or tokens
+
+    def headers(self) -> dict[str, str]:
+        return dict(self.limit_headers)
 
 
 class DeadlineExceeded(AgentError):

@@ -110,6 +110,7 @@ class Instruments:
         self._decisions: Counter[tuple[str, ...]] = Counter()
         self._retries: Counter[tuple[str, ...]] = Counter()
         self._store_writes: Counter[tuple[str, ...]] = Counter()
+        self._refusals: Counter[tuple[str, ...]] = Counter()
         self.totals = RequestTotals()
         self.etcd_connected: bool | None = None  # None: the agent does not publish
 
@@ -142,6 +143,13 @@ class Instruments:
             "meridian_agent_etcd_writes",
             callbacks=[counts(self._store_writes, ("kind",))],
             description="Writes the publisher made to etcd, by kind (alive, status).",
+        )
+
+        meter.create_observable_counter(
+            "meridian_agent_tenant_refusals",
+            callbacks=[counts(self._refusals, ("tenant", "cause"))],
+            description="Requests refused for their key or tenant, by tenant (none: no valid "
+            "key) and cause (unauthenticated, model, requests, tokens).",
         )
 
         def connected_cb(_: CallbackOptions) -> Iterable[Observation]:
@@ -214,6 +222,9 @@ class Instruments:
 
     def count_retry(self, *, cause: str) -> None:
         self._retries[(cause,)] += 1
+
+    def count_refusal(self, *, tenant: str, cause: str) -> None:
+        self._refusals[(tenant, cause)] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

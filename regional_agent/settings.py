@@ -8,20 +8,34 @@ naming the field.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
 )
 
+import meridian_etcd
 from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import hygiene
 from meridian_service import settings as settings_loading
+from meridian_service import tls as tls_module
 from policies import group_routing, routing
 
 
@@ -70,6 +84,44 @@ class ServerSettings(_Group):
         "0: no cap, the default (a balancer that rewrites source addresses, or a NAT, puts every "
         "client behind one address; set it when clients reach the agent directly)",
     )
+    tls_cert_file: Path | None = Field(
+        None,
+        description="PEM certificate (chain) to serve HTTPS with: set it with tls_key_file, or "
+        "neither (plain HTTP); both are read again on SIGHUP",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="PEM private key of tls_cert_file; read again with it on SIGHUP"
+    )
+
+    @field_validator("tls_cert_file", "tls_key_file")
+    @classmethod
+    def _exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} does not exist (or is not a file)")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = ("tls_cert_file", "tls_key_file")
+            if self.tls_cert_file is None:
+                given, missing = missing, given
+            raise ValueError(
+                f"server.{given} is set but server.{missing} is not: set both, or neither"
+            )
+        return self
+
+    def tls(self) -> tls_module.ServerTls | None:
+        """The listener's certificate and key (reloadable), or None for plain HTTP.  Raises
+        ``meridian_service.tls.TlsError`` naming the setting when they cannot be loaded."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return tls_module.ServerTls(
+            self.tls_cert_file,
+            self.tls_key_file,
+            cert_setting="server.tls_cert_file",
+            key_setting="server.tls_key_file",
+        )
 
     def limits(self) -> hygiene.ConnectionLimits:
         """What :mod:`meridian_service.hygiene` enforces on the agent's port."""
@@ -282,8 +334,140 @@ class QueueSettings(_Group):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 429 (seconds)")
     tenant_priority: dict[str, str] = Field(
-        default_factory=dict, description="X-Tenant value -> priority class (high, normal, low)"
+        default_factory=dict,
+        description="X-Tenant value -> priority class (high, normal, low); open mode only: "
+        "with tenants.keys_file the key's tenant decides and X-Tenant is ignored",
     )
+
+
+class TenantsSettings(_Group):
+    """API keys and tenants of the data plane (``/v1/*``; docs/agent.md, "Tenants, keys and
+    rate limits").  Without ``keys_file`` the data plane is open (trusted networks only)."""
+
+    keys_file: Path | None = Field(
+        None,
+        description="TOML file of [[tenants]] with their [[tenants.keys]] hashes, priority "
+        "class, models and limits (KeysFile); read at start (a bad file stops the agent) and "
+        "again when it changes or on SIGHUP (a bad new file keeps the old keys); unset: open "
+        "mode, every client served and X-Priority and X-Tenant trusted (a WARNING at start)",
+    )
+    reload_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds between checks of keys_file for a change (modification time, "
+        "size, inode); default 5",
+    )
+
+    @field_validator("keys_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            load_keys_file(value)  # a bad file stops the agent at start, naming the problem
+        return value
+
+
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class KeyEntry(_Group):
+    """One API key of a tenant, as its SHA-256: ``meridian-agent key new`` makes one."""
+
+    sha256: str = Field(description="hex SHA-256 of the key; the key itself is never stored")
+    name: str = Field("", max_length=64, description="a label for logs and rotation, e.g. 2026-03")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _SHA256_HEX.match(value):
+            raise ValueError("must be 64 hex digits: the SHA-256 of the key, not the key")
+        return value
+
+
+class TenantEntry(_Group):
+    """One tenant of the keys file (``[[tenants]]``)."""
+
+    name: str = Field(description="the tenant's name: in logs, spans and metrics' labels")
+    priority: Literal["high", "normal", "low"] = Field(
+        "normal", description="the queue's priority class of its requests"
+    )
+    models: list[str] = Field(
+        default_factory=list, description="models it may use (403 for others); empty: every model"
+    )
+    rpm: int | None = Field(
+        None,
+        ge=0,
+        description="requests per minute in the whole region (split among the live agent "
+        "replicas); unset: no limit",
+    )
+    tpm: int | None = Field(
+        None,
+        ge=0,
+        description="tokens (prompt + completion) per minute in the whole region, reserved as "
+        "prompt + max_tokens at admission and settled with the real usage; unset: no limit",
+    )
+    trust_priority: bool = Field(
+        False,
+        description="whether its requests' X-Priority is honoured; else ignored (its class "
+        "applies)",
+    )
+    keys: list[KeyEntry] = Field(
+        default_factory=list, description="its keys ([[tenants.keys]]); several during rotation"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _TENANT_NAME.match(value):
+            raise ValueError(
+                f"tenant name {value!r} must be 1-64 letters, digits, dots, dashes, underscores"
+            )
+        return value
+
+
+class KeysFile(_Group):
+    """The keys file (``tenants.keys_file``): every tenant and its keys."""
+
+    tenants: list[TenantEntry] = Field(description="the tenants ([[tenants]])")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KeysFile:
+        names: set[str] = set()
+        hashes: set[str] = set()
+        for i, tenant in enumerate(self.tenants):
+            if tenant.name in names:
+                raise ValueError(f"tenants[{i}]: duplicate tenant name {tenant.name!r}")
+            names.add(tenant.name)
+            for j, key in enumerate(tenant.keys):
+                if key.sha256 in hashes:
+                    raise ValueError(f"tenants[{i}].keys[{j}]: a key listed twice")
+                hashes.add(key.sha256)
+        if not hashes:
+            raise ValueError(
+                "no keys: a keys file needs at least one [[tenants.keys]] (an empty file is "
+                "taken for a half-written one); for an open data plane unset tenants.keys_file"
+            )
+        return self
+
+
+def load_keys_file(path: Path) -> KeysFile:
+    """The keys file at ``path``; ``ValueError`` saying what is wrong (never a key's hash)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"keys file {path} is not valid TOML: {exc}") from None
+    try:
+        return KeysFile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'file'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"keys file {path}: {problems}") from None
 
 
 class RetrySettings(_Group):
@@ -349,9 +533,98 @@ class UpstreamSettings(_Group):
 
 
 class AdminSettings(_Group):
+    """The bearer token of ``/admin/*``, kept only as its SHA-256 (docs/security.md).
+
+    One of ``token`` (from the environment, ``MERIDIAN_AGENT_ADMIN__TOKEN``, or the TOML file;
+    there is no flag, so it is never on a command line), ``token_file`` or ``token_sha256``.
+    The token is hashed as the settings are read and never kept: ``token`` is always None
+    afterwards, and a presented token is hashed and compared with the hash in constant time.
+    None of them: every admin call is 401.
+    """
+
     token: SecretStr | None = Field(
-        None, description="bearer token for /admin/*; admin endpoints answer 401 when unset"
+        None,
+        description="bearer token for /admin/*, best from the environment "
+        "(MERIDIAN_AGENT_ADMIN__TOKEN); hashed at start and not kept; no flag takes it",
     )
+    token_file: Path | None = Field(
+        None,
+        description="file whose content (surrounding whitespace stripped) is the token; read and "
+        "hashed at start; keep it readable by the agent's user only",
+    )
+    token_sha256: str | None = Field(
+        None,
+        description="hex SHA-256 of the token, instead of the token (as the controller's "
+        "api.tokens; `meridianctl token new` makes a token and its hash)",
+    )
+    _digest: bytes | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_token(cls, data: Any) -> Any:
+        """A token given in plain is replaced by its hash before anything keeps it."""
+        if not isinstance(data, dict) or data.get("token") is None:
+            return data
+        if data.get("token_file") is not None or data.get("token_sha256") is not None:
+            raise ValueError(_ONE_TOKEN)
+        value = data["token"]
+        text = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("admin.token must be a non-empty string")
+        rest = {k: v for k, v in data.items() if k != "token"}
+        return {**rest, "token_sha256": hashlib.sha256(text.strip().encode()).hexdigest()}
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} does not exist (or is not a file)")
+        return value
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _hex(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip().lower()
+        if not _HEX64.match(value):
+            raise ValueError("must be 64 hex digits: the SHA-256 of the token, not the token")
+        return value
+
+    @model_validator(mode="after")
+    def _digest_of(self) -> AdminSettings:
+        if self.token_file is not None and self.token_sha256 is not None:
+            raise ValueError(_ONE_TOKEN)
+        if self.token_sha256 is not None:
+            self._digest = bytes.fromhex(self.token_sha256)
+        elif self.token_file is not None:
+            try:
+                text = self.token_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(
+                    f"admin.token_file: cannot read {self.token_file}: {exc}"
+                ) from None
+            if not text:
+                raise ValueError(f"admin.token_file: {self.token_file} is empty")
+            self._digest = hashlib.sha256(text.encode()).digest()
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a token is configured (else every admin call is 401)."""
+        return self._digest is not None
+
+    def verify(self, presented: str) -> bool:
+        """Whether ``presented`` is the token: its SHA-256 against the configured one, in
+        constant time."""
+        if self._digest is None:
+            return False
+        given = hashlib.sha256(presented.strip().encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(given, self._digest)
+
+
+_ONE_TOKEN = "set one of admin.token, admin.token_file and admin.token_sha256, not several"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class TelemetryExportSettings(_Group):
@@ -414,6 +687,23 @@ class RegionSettings(_Group):
         5.0, gt=0, description="a change of load alone rewrites the status at most this often (s)"
     )
     etcd_timeout_s: float = Field(2.0, gt=0, description="timeout of one etcd call (seconds)")
+    etcd_ca_file: Path | None = Field(
+        None,
+        description="PEM CA that signed the etcd members' certificates; required with https:// "
+        "etcd URLs, refused with http:// ones (docs/security-etcd.md)",
+    )
+    etcd_cert_file: Path | None = Field(
+        None,
+        description="PEM client certificate for etcd's --client-cert-auth; its CN is the etcd "
+        "user (agent-<region>); with etcd_key_file",
+    )
+    etcd_key_file: Path | None = Field(None, description="PEM private key of etcd_cert_file")
+    etcd_user: str | None = Field(
+        None, description="etcd user to authenticate as by password (with etcd_password_file)"
+    )
+    etcd_password_file: Path | None = Field(
+        None, description="file holding etcd_user's password (one line; never logged)"
+    )
     retry_base_s: float = Field(
         0.5, gt=0, description="first retry after an etcd failure (seconds; doubles, jittered)"
     )
@@ -468,7 +758,27 @@ class RegionSettings(_Group):
             raise ValueError("region.etcd is set but region.id is not: name the region")
         if self.retry_max_s < self.retry_base_s:
             raise ValueError("region.retry_max_s must be >= region.retry_base_s")
+        access = self._etcd_access()
+        if self.etcd:  # TLS and auth go with the URLs; the files must be usable now
+            meridian_etcd.check_settings(endpoints=self.etcd, prefix="region.etcd_", **access)
+        elif given := [f"region.etcd_{k}" for k, v in access.items() if v is not None]:
+            raise ValueError(f"{', '.join(given)} set but region.etcd is not")
         return self
+
+    def _etcd_access(self) -> dict[str, Any]:
+        return {
+            "ca_file": self.etcd_ca_file,
+            "cert_file": self.etcd_cert_file,
+            "key_file": self.etcd_key_file,
+            "user": self.etcd_user,
+            "password_file": self.etcd_password_file,
+        }
+
+    def etcd_client(self) -> meridian_etcd.ClientConfig:
+        """How the publisher reaches etcd: URLs, time limit, TLS and credentials."""
+        return meridian_etcd.ClientConfig(
+            endpoints=self.etcd, timeout_s=self.etcd_timeout_s, **self._etcd_access()
+        )
 
     @property
     def publishing(self) -> bool:
@@ -564,6 +874,7 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = TelemetrySettings()
     health: HealthSettings = HealthSettings()
     queue: QueueSettings = QueueSettings()
+    tenants: TenantsSettings = TenantsSettings()
     retry: RetrySettings = RetrySettings()
     upstream: UpstreamSettings = UpstreamSettings()
     stall: StallSettings = StallSettings()

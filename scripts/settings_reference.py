@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from policies import routing  # noqa: E402
-from regional_agent.settings import NodeSettings, Settings  # noqa: E402
+from regional_agent.settings import KeyEntry, NodeSettings, Settings, TenantEntry  # noqa: E402
 
 OUT = ROOT / "docs" / "agent-settings.md"
 
@@ -44,8 +44,10 @@ def render() -> str:
         "not edit by hand. Set them in the TOML file given with `--config` (`[group]` tables,",
         "`[[nodes]]` entries), as environment variables (`MERIDIAN_AGENT_<GROUP>__<FIELD>`, e.g.",
         "`MERIDIAN_AGENT_QUEUE__MAX_DEPTH=200`), or with the flags `--host`, `--port`, `--node`,",
-        "`--policy`, `--admin-token`, `--region`, `--geo`, `--residency`, `--endpoint`, `--etcd`",
-        "and `--actuator`. Flags win over the environment, which wins over the file.",
+        "`--policy`, `--region`, `--geo`, `--residency`, `--endpoint`, `--etcd` and",
+        "`--actuator`. Flags win over the environment, which wins over the file. Secrets never",
+        "go on the command line: the admin token comes from `admin.token_file`,",
+        "`admin.token_sha256` or `MERIDIAN_AGENT_ADMIN__TOKEN` (docs/security.md).",
         "",
     ]
     for name, field in Settings.model_fields.items():
@@ -79,6 +81,19 @@ def render() -> str:
                 for f in dataclasses.fields(routing.RoutingConfig)
             ]
             lines.append("")
+        if name == "tenants":
+            lines += [
+                "The keys file (`tenants.keys_file`, a TOML file of its own) holds one",
+                "`[[tenants]]` table per tenant, each with its `[[tenants.keys]]` (docs/agent.md,",
+                '"Tenants, keys and rate limits"):',
+                "",
+            ]
+            for table, model in (("[[tenants]]", TenantEntry), ("[[tenants.keys]]", KeyEntry)):
+                lines += [f"| `{table}` field | default | meaning |", "|---|---|---|"]
+                for sub, f in model.model_fields.items():
+                    if sub != "keys":
+                        lines.append(f"| `{sub}` | {_default(f)} | {f.description or ''} |")
+                lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -4,6 +4,16 @@ The controller's only HTTP client (an import-linter contract keeps it so).  The 
 authenticated the caller already; the leader authenticates again, runs the write fenced, and
 its answer is relayed unchanged.  A request forwarded once is never forwarded again: one that
 reaches a replica that no longer leads is answered 503 (retry).
+
+**The caller's token is never sent in the clear by a replica that serves TLS.**  When this
+replica's admin API runs TLS (``api.tls``), the caller sent its bearer token over HTTPS; a
+leader that published a plain ``http://`` admin URL (it runs without TLS, or its
+``api.advertise_url`` says http) is refused before anything is sent: 503, nothing sent, nothing
+changed, the problem saying which URL and what to fix.  An ``https://`` leader's certificate is
+verified (name included) against ``api.tls.ca_file`` (default: this replica's own certificate).
+When this replica runs without TLS the network is trusted as it is for its own callers, and
+the write goes to the URL the leader published, http or https (verified against the system's
+CAs).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from controlplane.api.models import AdminEndpoint
 from controlplane.api.problems import Unavailable
 from controlplane.replica import Replica
 from controlplane.settings import ControllerSettings
+from meridian_service.tls import client_context
 from meridian_wire import keys
 
 FORWARDED = "X-Meridian-Forwarded-By"
@@ -29,6 +40,7 @@ LEADER_HEADER = "X-Meridian-Leader"
 class Forwarder:
     def __init__(self, *, replica: Replica, settings: ControllerSettings) -> None:
         self._replica = replica
+        self._tls = settings.api.tls is not None
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.api.forward_timeout_s),
             connector=aiohttp.TCPConnector(ssl=_client_tls(settings)),
@@ -62,6 +74,14 @@ class Forwarder:
                 f"the leader {leader} has not published its admin URL yet; nothing was changed",
                 fix="retry in a few seconds",
             )
+        if self._tls and not endpoint.url.lower().startswith("https://"):
+            raise Unavailable(
+                f"the leader {leader} publishes a plain-HTTP admin URL ({endpoint.url}) and this "
+                "replica serves TLS: the request, with its bearer token, is not forwarded in the "
+                "clear; nothing was sent and nothing was changed",
+                fix="serve every replica's admin API with TLS (api.tls; api.advertise_url "
+                "https://...), or send the write to the leader yourself",
+            )
         headers = {FORWARDED: me}
         for name in ("Authorization", "Idempotency-Key", "Content-Type"):
             if name in request.headers:
@@ -89,7 +109,9 @@ class Forwarder:
 
 
 def _client_tls(settings: ControllerSettings) -> ssl.SSLContext | bool:
+    """How a forwarded write checks the leader: against ``api.tls.ca_file`` (or this replica's
+    own certificate) with TLS; the system's CAs (aiohttp's default) without."""
     tls = settings.api.tls
     if tls is None:
         return True
-    return ssl.create_default_context(cafile=str(tls.ca_file or tls.cert_file))
+    return client_context(tls.ca_file or tls.cert_file)

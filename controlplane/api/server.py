@@ -2,7 +2,8 @@
 
 ``create_app`` (controlplane/app.py) builds an :class:`AdminApi` and appends :func:`serving` to
 its ``cleanup_ctx``: the admin site starts and stops with the replica, on ``api.host:api.port``
-(``--admin-port``), over HTTPS when ``api.tls`` names a certificate and key.
+(``--admin-port``), over HTTPS when ``api.tls`` names a certificate and key
+(``meridian_service.tls.ServerTls``, read again on SIGHUP, as the agent's listener).
 
 **Any replica answers; writes go through the leader.**  Reads come from etcd on the replica
 that receives them.  A write (an action, ``PUT /v1/policies``) on a follower is authenticated
@@ -11,6 +12,8 @@ which the leader publishes under ``controller/admin`` (fenced): ``api.forward``,
 controller's only HTTP client.  The leader runs the action
 and writes it in one transaction fenced by its leader key, so a deposed leader cannot write.
 A forwarded request that reaches a replica that no longer leads is answered 503 (retry).
+A replica with TLS never forwards to a plain ``http://`` leader URL (503, nothing sent), and
+verifies an ``https://`` leader against ``api.tls.ca_file`` (``api.forward``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,7 @@ from controlplane.errors import ControllerError
 from controlplane.replica import Replica
 from controlplane.settings import ControllerSettings
 from meridian_service import hygiene, strict_json
+from meridian_service.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class AdminApi:
     forwarder: forward.Forwarder | None = None  # set once the site is bound
     published: object = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    tls: ServerTls | None = None  # set once the site is bound, when api.tls is set
+    runner: hygiene.Runner | None = None  # the admin site's: its connections, for tests
 
     @property
     def settings(self) -> ControllerSettings:
@@ -116,12 +121,13 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
             yield
             return
         tls = _server_tls(api.settings)
+        api.tls = tls
         runner = hygiene.runner(create_admin_app(api), s.limits(), label="api", access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, s.host, s.port, ssl_context=tls)
+        api.runner = runner
+        site = hygiene.site(runner, s.host, s.port, ssl_context=tls.context if tls else None)
         await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        port = int(sockets[0].getsockname()[1]) if sockets else s.port
+        port = site.bound_port
         scheme = "https" if tls is not None else "http"
         api.url = s.advertise_url or f"{scheme}://{s.host}:{port}"
         api.forwarder = forward.Forwarder(replica=api.replica, settings=api.settings)
@@ -147,13 +153,18 @@ def _crashed(task: asyncio.Task[None]) -> None:
         log.error("admin API task crashed", exc_info=task.exception())
 
 
-def _server_tls(settings: ControllerSettings) -> ssl.SSLContext | None:
+def _server_tls(settings: ControllerSettings) -> ServerTls | None:
+    """``api.tls``'s certificate and key, as the agent's listener has them
+    (``meridian_service.tls``: read again on SIGHUP, a bad new pair keeps the old one)."""
     tls = settings.api.tls
     if tls is None:
         return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
-    return ctx
+    return ServerTls(
+        tls.cert_file,
+        tls.key_file,
+        cert_setting="api.tls.cert_file",
+        key_setting="api.tls.key_file",
+    )
 
 
 async def _publish(api: AdminApi) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+import meridian_etcd
 from controlplane.settings.api import ApiSettings, ConnectionSettings
 from controlplane.settings.dns import DnsSettings
 from meridian_etcd import endpoints as etcd_endpoints
@@ -35,12 +36,51 @@ class EtcdSettings(_Group):
         description="etcd client URLs; the controller moves to the next when one fails",
     )
     timeout_s: float = Field(3.0, gt=0, description="timeout of one etcd call, seconds")
+    ca_file: Path | None = Field(
+        None,
+        description="PEM CA that signed the etcd members' certificates; required with https:// "
+        "endpoints, refused with http:// ones (docs/security-etcd.md)",
+    )
+    cert_file: Path | None = Field(
+        None,
+        description="PEM client certificate for etcd's --client-cert-auth; its CN is the etcd "
+        "user (meridian-controller); with key_file",
+    )
+    key_file: Path | None = Field(None, description="PEM private key of cert_file")
+    user: str | None = Field(
+        None, description="etcd user to authenticate as by password (with password_file)"
+    )
+    password_file: Path | None = Field(
+        None, description="file holding the user's password (one line; never logged)"
+    )
 
     @field_validator("endpoints")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
-        etcd_endpoints.parse_all(value)  # one parser for every etcd URL (meridian_etcd.endpoints)
+        for url in value:
+            etcd_endpoints.parse(url)  # one parser for every etcd URL (meridian_etcd.endpoints)
         return value
+
+    @model_validator(mode="after")
+    def _access(self) -> EtcdSettings:
+        # TLS and auth go with the URLs (no https:// without a CA, no TLS files with http://,
+        # no mix); the files must be usable now
+        meridian_etcd.check_settings(prefix="etcd.", **self._fields())
+        return self
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "endpoints": self.endpoints,
+            "ca_file": self.ca_file,
+            "cert_file": self.cert_file,
+            "key_file": self.key_file,
+            "user": self.user,
+            "password_file": self.password_file,
+        }
+
+    def client_config(self) -> meridian_etcd.ClientConfig:
+        """How the controller reaches etcd: URLs, time limit, TLS and credentials."""
+        return meridian_etcd.ClientConfig(timeout_s=self.timeout_s, **self._fields())
 
 
 class ElectionSettings(_Group):

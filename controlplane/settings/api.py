@@ -143,6 +143,17 @@ class ApiSettings(ConnectionSettings):
         15.0, gt=0, description="timeout of a write forwarded to the leader, seconds"
     )
 
+    @model_validator(mode="after")
+    def _advertised_scheme(self) -> ApiSettings:
+        url = (self.advertise_url or "").strip().lower()
+        if self.tls is not None and url and not url.startswith("https://"):
+            raise ValueError(
+                f"api.advertise_url {self.advertise_url!r} is not https but api.tls is set: the "
+                "replicas would forward bearer tokens to it in the clear (a replica with TLS "
+                "refuses to); advertise the https URL"
+            )
+        return self
+
     @field_validator("tokens")
     @classmethod
     def _unique(cls, value: list[TokenEntry]) -> list[TokenEntry]:

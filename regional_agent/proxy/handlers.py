@@ -18,17 +18,25 @@ instead, which ends the handler the same way.  Both count as status 499, never a
 Parsing is bounded: only the first ``routing.prefix_max_tokens`` tokens of a prompt are
 tokenised and hashed, and a body of ``parse.offload_min_bytes`` or more is parsed on a parse
 thread (``Edge.offload``), so a large prompt does not stall the event loop for everyone else.
+
+Tenants (``regional_agent.tenants``): with API keys configured, the key is checked before the
+body is read (401), the model against the tenant's (403) and the tenant's rate limits before
+the request queues (429 with ``x-ratelimit-*``); the priority is the tenant's (its
+``X-Priority`` only when trusted; ``X-Tenant`` is ignored) and the key is not forwarded to the
+node.  A served response carries the ``x-ratelimit-*`` headers, and its usage settles the
+tokens reserved.  Without keys (open mode) none of this applies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -41,7 +49,10 @@ from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import (
     AgentError,
     BadRequest,
+    Forbidden,
+    InvalidKey,
     NoCapacity,
+    RateLimited,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatus,
@@ -49,6 +60,7 @@ from regional_agent.errors import (
 )
 from regional_agent.queue import Lease
 from regional_agent.settings import Settings
+from regional_agent.tenants import Admission, Tenant, UsageTally
 from regional_agent.upstream import Timeouts, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -65,6 +77,8 @@ class _Parsed:
     view: RequestView
     stream: bool
     tokens: int  # prompt + max_tokens, for the agent's accounting
+    reply_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*
+    tally: UsageTally | None = None  # what the response used, with a token limit
 
 
 class _ClientGone(Exception):
@@ -78,9 +92,11 @@ class _ClientGone(Exception):
 
 async def models(request: web.Request) -> web.Response:
     agent = request.app[EDGE]
+    tenant = _authenticate(request, agent)
     data = [
         {"id": model, "object": "model", "owned_by": "meridian", "root": model}
         for model in sorted(agent.pool.models())
+        if tenant is None or tenant.may_use(model)
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -93,23 +109,62 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _proxy(request, path="/v1/completions", chat=False)
 
 
+# -- tenants --------------------------------------------------------------------------------------
+
+
+def _authenticate(request: web.Request, agent: Edge) -> Tenant | None:
+    """The key's tenant (``None`` in open mode), or 401."""
+    try:
+        return agent.tenants.authenticate(request.headers.get("Authorization"))
+    except InvalidKey:
+        agent.instruments.count_refusal(tenant="none", cause="unauthenticated")
+        raise
+
+
+def _admit(agent: Edge, tenant: Tenant, parsed: _Parsed) -> tuple[_Parsed, Admission]:
+    """The tenant's model (403) and rate limits (429), then the reply's headers and tally."""
+    try:
+        agent.tenants.authorize(tenant, parsed.view.model)
+    except Forbidden:
+        agent.instruments.count_refusal(tenant=tenant.name, cause="model")
+        raise
+    try:
+        admitted = agent.tenants.admit(tenant, tokens=parsed.tokens)
+    except RateLimited as exc:
+        agent.instruments.count_refusal(tenant=tenant.name, cause=exc.cause)
+        raise
+    tally = None
+    if tenant.limits.tokens is not None:
+        tally = UsageTally(prompt_tokens=parsed.view.prompt_tokens)
+    return dataclasses.replace(parsed, reply_headers=admitted.headers, tally=tally), admitted
+
+
 # -- parsing ------------------------------------------------------------------------------------
 
 
-async def _parse(request: web.Request, agent: Edge, *, chat: bool) -> _Parsed:
+async def _parse(
+    request: web.Request, agent: Edge, *, chat: bool, tenant: Tenant | None
+) -> _Parsed:
     """Read and parse the body: on the event loop when it is small (the common case, cheaper
     than a thread hop), else on a parse thread (``parse.offload_min_bytes``), so that one large
     prompt does not stall every other request.  The work is bounded either way: only the first
     ``routing.prefix_max_tokens`` tokens are tokenised and hashed."""
     raw = await request.read()
-    work = functools.partial(_parse_body, raw, request.headers, agent.settings, chat=chat)
+    work = functools.partial(
+        _parse_body, raw, request.headers, agent.settings, chat=chat, tenant=tenant
+    )
     if len(raw) < agent.settings.parse.offload_min_bytes:
         return work()
     return await agent.offload(work)
 
 
 def _parse_body(
-    raw: bytes, headers: Mapping[str, str], settings: Settings, *, chat: bool
+    raw: bytes,
+    headers: Mapping[str, str],
+    settings: Settings,
+    *,
+    chat: bool,
+    tenant: Tenant | None = None,
 ) -> _Parsed:
     """Everything ``_parse`` does after reading, without the event loop (it may run on a
     thread: it reads only its arguments)."""
@@ -159,14 +214,7 @@ def _parse_body(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", param="stream")
-    try:
-        priority = admission.parse_priority(
-            headers.get("X-Priority"),
-            tenant=headers.get("X-Tenant"),
-            tenant_classes=settings.queue.tenant_priority,
-        )
-    except admission.PriorityError as exc:
-        raise BadRequest(str(exc)) from exc
+    priority = _priority(headers, settings, tenant)
     session = _session_key(headers.get("X-Session-ID"), body.get("user"))
     block_tokens = settings.routing.prefix_block_tokens
     view = RequestView(
@@ -179,6 +227,24 @@ def _parse_body(
         priority=priority,
     )
     return _Parsed(body=body, raw=raw, view=view, stream=stream, tokens=prompt_tokens + max_tokens)
+
+
+def _priority(headers: Mapping[str, str], settings: Settings, tenant: Tenant | None) -> int:
+    """Open mode: ``X-Priority``, else ``X-Tenant``'s class.  With a key: the tenant's class,
+    or its ``X-Priority`` when it is trusted to set one; ``X-Tenant`` is ignored."""
+    header = headers.get("X-Priority")
+    try:
+        if tenant is None:
+            return admission.parse_priority(
+                header,
+                tenant=headers.get("X-Tenant"),
+                tenant_classes=settings.queue.tenant_priority,
+            )
+        if tenant.trust_priority and header is not None and header.strip():
+            return admission.parse_priority(header, tenant_classes={})
+    except admission.PriorityError as exc:
+        raise BadRequest(str(exc)) from exc
+    return tenant.priority
 
 
 def _loads(raw: bytes) -> object:
@@ -260,10 +326,32 @@ def _completion_tokens(value: object, max_tokens: int) -> tuple[tuple[int, ...],
 async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamResponse:
     agent = request.app[EDGE]
     arrived = agent.clock.now()
-    parsed = await _parse(request, agent, chat=chat)
+    tenant = _authenticate(request, agent)  # before the body is read: 401 costs nothing
+    parsed = await _parse(request, agent, chat=chat, tenant=tenant)
+    admitted: Admission | None = None
+    if tenant is not None:
+        parsed, admitted = _admit(agent, tenant, parsed)
+    try:
+        return await _proxy_admitted(request, agent, parsed, path, arrived, tenant)
+    finally:
+        if admitted is not None:
+            used = parsed.tally.total() if parsed.tally is not None else 0
+            agent.tenants.settle(admitted, used=used)
+
+
+async def _proxy_admitted(
+    request: web.Request,
+    agent: Edge,
+    parsed: _Parsed,
+    path: str,
+    arrived: float,
+    tenant: Tenant | None,
+) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-ID") or uuid.uuid4().hex
     headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
     for name in _FORWARD_HEADERS:
+        if name == "Authorization" and tenant is not None:
+            continue  # the client's key is the agent's secret, not the node's
         if name in request.headers and name not in headers:
             headers[name] = request.headers[name]
     agent.budget.on_request(now=agent.clock.now())
@@ -275,6 +363,7 @@ async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamRe
             "meridian.priority": parsed.view.priority,
             "meridian.prompt_tokens": parsed.view.prompt_tokens,
             "meridian.request_id": request_id,
+            "meridian.tenant": "" if tenant is None else tenant.name,
         },
     ) as span:
         status = 500
@@ -284,6 +373,8 @@ async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamRe
                 request, agent, parsed, path, headers, span, arrived
             )
             status = response.status
+            if not response.prepared:  # a stream carries them from its start (_relay_stream)
+                response.headers.update(parsed.reply_headers)
             return response
         except AgentError as exc:
             status = exc.http_status
@@ -452,8 +543,12 @@ async def _send(
             lease.node_id, url, body=parsed.raw, headers=headers, timeouts=timeouts
         ) as up:
             if parsed.stream:
-                return await _relay_stream(request, agent, up, lease, sent=sent, arrived=arrived)
+                return await _relay_stream(
+                    request, agent, parsed, up, lease, sent=sent, arrived=arrived
+                )
             data = await up.read()
+            if parsed.tally is not None and up.status < 400:
+                parsed.tally.body(data)
             if "json" in up.content_type:
                 try:
                     json.loads(data)
@@ -472,6 +567,7 @@ async def _send(
 async def _relay_stream(
     request: web.Request,
     agent: Edge,
+    parsed: _Parsed,
     up: UpstreamResponse,
     lease: Lease,
     *,
@@ -491,14 +587,23 @@ async def _relay_stream(
     agent.instruments.record_ttft(now - arrived)
     response = web.StreamResponse(
         status=up.status,
-        headers={"Content-Type": up.content_type, "Cache-Control": "no-cache"},
+        headers={
+            "Content-Type": up.content_type,
+            "Cache-Control": "no-cache",
+            **parsed.reply_headers,
+        },
     )
+    tally = parsed.tally
     try:
         await response.prepare(request)
+        if tally is not None:
+            tally.feed(first)
         await response.write(first)
         failure: str | None = None
         try:
             async for chunk in chunks:
+                if tally is not None:
+                    tally.feed(chunk)
                 await response.write(chunk)
         except UpstreamError as exc:
             failure = exc.message

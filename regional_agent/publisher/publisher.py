@@ -17,14 +17,19 @@ them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
   ``RegionDesired``; the capacity floor goes to the autoscaler, the admin state is
   acknowledged in the status.  A value that does not parse is logged with its key and ignored;
   the last good one stays in force.
+* :meth:`Publisher.replicas_loop` — ``regions/<r>/agents/``: follows which replicas of the
+  region are alive (their ``alive`` keys, this one always counted) and hands the count and
+  this replica's rank in it to ``on_replicas`` on every change (the tenants' rate-limit
+  shares).  When etcd is unreachable the last count stays in force (fail static).
 * ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``group_routing/sync.py``) — the group
   tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them, under this
   publisher's lease.
 
 The publisher is given what it reads, not the agent: the node pool (for the serving nodes),
 the queue depth, the instruments (request totals for the load window, etcd state and write
-counters), and the callback that hands the desired capacity floor to the autoscaler (none
-without one: the floor it reports is then 0).
+counters), the callback that hands the desired capacity floor to the autoscaler (none
+without one: the floor it reports is then 0), and the one that hands the live replica count
+on (``on_replicas(replicas, rank)``; none: the replicas loop is not run).
 
 Fail static: when etcd does not answer, the agent serves on what it knows.  Each loop retries
 with backoff and jitter; the change of state (etcd lost, etcd back) is logged once, not every
@@ -111,6 +116,7 @@ class Publisher:
         on_floor: Callable[[float], None] | None = None,
         wall: Callable[[], float] = time.time,
         tables: GroupTables | None = None,
+        on_replicas: Callable[[int, int], None] | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
@@ -119,6 +125,8 @@ class Publisher:
         self._instruments = instruments
         self._clock = clock
         self._on_floor = on_floor
+        self.on_replicas = on_replicas
+        self.replicas: tuple[str, ...] = ()  # live replicas of the region, this one included
         self._wall = wall
         self._rng = rng
         self.identity = status.Identity.of(settings, agent_id=default_agent_id())
@@ -355,6 +363,45 @@ class Publisher:
         if self._on_floor is not None:
             self._on_floor(desired.capacity_floor)
 
+    # -- replicas ----------------------------------------------------------------------------
+
+    async def replicas_loop(self) -> None:
+        """Follow ``regions/<r>/agents/``: which replicas have an ``alive`` key."""
+        prefix = keys.agents(self.region)
+        backoff = self._backoff()
+        while True:
+            alive: set[str] = set()
+            try:
+                async with contextlib.aclosing(self._store.follow_prefix(prefix)) as changes:
+                    async for change in changes:
+                        self._answered()
+                        backoff.reset()
+                        if isinstance(change, etcd.Snapshot):
+                            alive = {a for e in change.entries if (a := _alive_agent(e.key))}
+                        elif isinstance(change, etcd.Entry):
+                            if agent := _alive_agent(change.key):
+                                alive.add(agent)
+                        elif agent := _alive_agent(change.key):
+                            alive.discard(agent)
+                        self._replicas_seen(alive)
+            except etcd.EtcdError as exc:
+                self.link.failed(exc)  # the last count stays in force
+            await asyncio.sleep(backoff.next_s())
+
+    def _replicas_seen(self, alive: set[str]) -> None:
+        replicas = tuple(sorted(alive | {self.agent_id}))
+        if replicas == self.replicas:
+            return
+        self.replicas = replicas
+        log.info(
+            "agent replicas alive region=%s replicas=%d agents=%s",
+            self.region,
+            len(replicas),
+            ",".join(replicas),
+        )
+        if self.on_replicas is not None:
+            self.on_replicas(len(replicas), replicas.index(self.agent_id))
+
     # -- stop --------------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -389,6 +436,12 @@ def default_agent_id() -> str:
     """``hostname-pid``, lowercased, with what a key may not hold replaced by dashes."""
     raw = f"{socket.gethostname()}-{os.getpid()}".lower()
     return re.sub(r"[^a-z0-9._-]", "-", raw).lstrip("._-")[-63:] or f"agent-{os.getpid()}"
+
+
+def _alive_agent(key: str) -> str | None:
+    """The agent id of a ``regions/<r>/agents/<a>/alive`` key, else None."""
+    parsed = keys.parse_agent_key(key)
+    return parsed[1] if parsed is not None and parsed[2] == "alive" else None
 
 
 def _problems(exc: pydantic.ValidationError) -> str:

@@ -9,7 +9,9 @@ is the routing policy's.
 A request is refused at once when no node serves its model (404) or none that does can take
 traffic at all (503: all drained, ejected or unhealthy — waiting would only hide an outage);
 it waits when routable nodes exist but their slots are full, up to ``max_depth`` waiting per
-model (429 with Retry-After past that) and its deadline (504).
+model (429 with Retry-After past that) and its deadline (504).  At ``max_depth`` a newcomer
+that outranks someone waiting sheds the newest waiting request of the lowest class below it
+(that one gets the 429) instead of being refused itself.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class Dispatcher:
             lease = self._try_route(request, exclude, tokens, enqueued_s=now, views=views)
             if lease is not None:
                 return lease
-        if not admission.admit(self.depth(request.model), max_depth=self._settings.max_depth):
+        full = not admission.admit(self.depth(request.model), max_depth=self._settings.max_depth)
+        if full and not self._shed_for(request, now=now):
             self.stats.rejected["queue-full"] += 1
             raise QueueFull(
                 f"the queue for `{request.model}` is full ({self._settings.max_depth} waiting); "
@@ -227,6 +230,39 @@ class Dispatcher:
         )
         self._leases.setdefault(decision.node, set()).add(lease)
         return lease
+
+    def _shed_for(self, request: RequestView, *, now: float) -> bool:
+        """The model's queue is full: shed the newest waiting request of the lowest class below
+        ``request``'s (``admission.make_room``), answering it 429, so that ``request`` may
+        wait in its place.  False when nobody waiting ranks below it."""
+        same = [w.item for w in self._waiting.values() if w.request.model == request.model]
+        victim = admission.make_room(
+            same,
+            priority=request.priority,
+            now=now,
+            max_wait_low_s=self._settings.max_wait_low_s,
+        )
+        if victim is None:
+            return False
+        waiter = self._waiting.pop(victim.seq)
+        self.stats.rejected["shed"] += 1
+        log.info(
+            "shed a waiting request for a higher-priority one model=%s shed_priority=%d "
+            "new_priority=%d",
+            request.model,
+            waiter.request.priority,
+            request.priority,
+        )
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                QueueFull(
+                    f"the queue for `{request.model}` is full ({self._settings.max_depth} "
+                    "waiting) and this request was shed for one of higher priority; retry "
+                    f"after {self._settings.retry_after_s} s",
+                    retry_after_s=self._settings.retry_after_s,
+                )
+            )
+        return True
 
     def _release(self, lease: Lease, *, failed: bool) -> None:
         held = self._leases.get(lease.node_id)

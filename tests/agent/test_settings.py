@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -166,3 +167,74 @@ def test_the_prefix_dense_head_is_a_routing_tuning_and_is_checked() -> None:
     assert settings.Settings().routing.config().prefix_dense_head_blocks == 32
     with pytest.raises(ValueError, match="prefix_dense_head_blocks"):
         settings.Settings(routing={"tuning": {"prefix_dense_head_blocks": -1}})
+
+
+# -- TLS and the admin token -------------------------------------------------------------------
+
+
+NODE = ["--node", "http://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MERIDIAN_AGENT_SERVER__TLS_CERT_FILE": "/nonexistent/agent.crt",
+          "MERIDIAN_AGENT_SERVER__TLS_KEY_FILE": __file__}, "server.tls_cert_file"),
+        ({"MERIDIAN_AGENT_SERVER__TLS_CERT_FILE": __file__}, "server.tls_key_file is not"),
+        ({"MERIDIAN_AGENT_SERVER__TLS_KEY_FILE": __file__}, "server.tls_cert_file is not"),
+        ({"MERIDIAN_AGENT_ADMIN__TOKEN_FILE": "/nonexistent/token"}, "admin.token_file"),
+        ({"MERIDIAN_AGENT_ADMIN__TOKEN_SHA256": "not-a-hash"}, "admin.token_sha256"),
+        ({"MERIDIAN_AGENT_ADMIN__TOKEN": "t", "MERIDIAN_AGENT_ADMIN__TOKEN_SHA256": "0" * 64},
+         "set one of admin.token"),
+    ],
+)  # fmt: skip
+def test_bad_tls_and_token_settings_stop_the_agent_naming_the_field(
+    env: dict[str, str], needle: str
+) -> None:
+    done = _run(NODE, env)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr
+
+
+def test_a_certificate_that_cannot_be_loaded_is_named(tmp_path: Path) -> None:
+    cert, key = tmp_path / "agent.crt", tmp_path / "agent.key"
+    cert.write_text("not a certificate\n")
+    key.write_text("not a key\n")
+    env = {"MERIDIAN_AGENT_SERVER__TLS_CERT_FILE": str(cert),
+           "MERIDIAN_AGENT_SERVER__TLS_KEY_FILE": str(key)}  # fmt: skip
+    done = _run(NODE, env)
+    assert done.returncode == 2 and "server.tls_cert_file" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_admin_token_is_refused_on_the_command_line_without_echoing_it() -> None:
+    done = _run([*NODE, "--admin-token", "hunter2-on-the-command-line"])
+    assert done.returncode == 2
+    assert "MERIDIAN_AGENT_ADMIN__TOKEN" in done.stderr and "admin.token_file" in done.stderr
+    assert "hunter2" not in done.stderr + done.stdout
+    assert "--admin-token" not in _run(["--help"]).stdout
+
+
+def test_the_admin_token_is_kept_only_as_its_hash(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"s3cret-token").hexdigest()
+    given = settings.Settings(admin={"token": "s3cret-token"})
+    assert given.admin.token is None and given.admin.token_sha256 == digest
+    assert given.admin.verify("s3cret-token") and not given.admin.verify("s3cret")
+    assert "s3cret-token" not in repr(given) + given.model_dump_json()
+    hashed = settings.Settings(admin={"token_sha256": digest.upper()})
+    assert hashed.admin.verify("s3cret-token") and hashed.admin.enabled
+    path = tmp_path / "admin-token"
+    path.write_text("s3cret-token\n")
+    from_file = settings.Settings(admin={"token_file": path})
+    assert from_file.admin.verify("s3cret-token") and from_file.admin.token is None
+    assert "s3cret-token" not in repr(from_file)
+    assert not settings.Settings().admin.enabled and not settings.Settings().admin.verify("")
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"admin.token_file: .* is empty"):
+        settings.Settings(admin={"token_file": path})
+
+
+def test_the_admin_token_from_the_environment_is_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MERIDIAN_AGENT_ADMIN__TOKEN", "from-the-environment")
+    loaded = settings.load()
+    assert loaded.admin.token is None and loaded.admin.verify("from-the-environment")

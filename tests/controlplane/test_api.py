@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +30,15 @@ from controlplane.api import actions, routes
 from controlplane.api import keys as api_keys
 from controlplane.api.auth import Caller
 from controlplane.api.problems import Unavailable
-from controlplane.api.server import ADMIN_API
+from controlplane.api.server import ADMIN_API, AdminApi
 from controlplane.app import Controller
+from controlplane.settings.api import ApiSettings
 from meridian_wire import keys
 from meridian_wire.models import FleetPlan, RegionHealth, RegionOverride
+from tests.faults.harness import wait_http
 from tests.meridianctl.stack import TOKENS, Stack
 from tests.support import EtcdServer, until
+from tests.support.certs import CertAuthority, serial
 from tests.support.ports import free_port
 from tests.support.process import ServerProcess
 
@@ -412,6 +419,104 @@ async def test_tls_from_the_configured_certificate_and_key(stack: Stack, tmp_pat
             await c.get(plain + "/v1/health")
 
 
+async def _published(stack: Stack, leader: str) -> str:
+    """The admin URL ``leader`` published under ``controller/admin``, once it has."""
+    for _ in range(100):
+        entry = await stack.store.get(api_keys.ADMIN)
+        if entry is not None and json.loads(entry.value)["id"] == leader:
+            return str(json.loads(entry.value)["url"])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{leader} never published its admin URL")
+
+
+def _admin_api(stack: Stack, name: str) -> AdminApi:
+    app = stack.runners[name].app
+    assert app is not None
+    return app[ADMIN_API]
+
+
+def _accepted(stack: Stack, name: str) -> int:
+    """Connections the replica's admin port has accepted (TLS handshakes completed), ever."""
+    runner = _admin_api(stack, name).runner
+    assert runner is not None
+    return runner.connections.accepted
+
+
+async def test_a_tls_follower_never_forwards_a_token_to_a_plain_http_leader(
+    stack: Stack, tmp_path: Path
+) -> None:
+    await stack.controller("ctl-a")  # plain HTTP
+    leader = await stack.leader()
+    assert leader.election.identity == "ctl-a"
+    tls = _self_signed(tmp_path)
+    await stack.controller("ctl-b", tls=tls)
+    leader_url = await _published(stack, "ctl-a")
+    assert leader_url.startswith("http://")
+    accepted, audit = _accepted(stack, "ctl-a"), await _audit(stack)
+    trusted = ssl.create_default_context(cafile=str(tls["cert_file"]))
+    async with httpx.AsyncClient(base_url=stack.url("ctl-b"), verify=trusted, timeout=10) as c:
+        for path in ("/v1/regions/us-east/drain", "/v1/regions/us-east/drain?dry_run=true"):
+            r = await c.post(path, json={"reason": "via tls follower"}, headers=AUTH["operator"])
+            body = _problem(r, 503)
+            assert "plain-HTTP admin URL" in body["detail"] and leader_url in body["detail"]
+            assert "nothing was sent" in body["detail"] and "api.tls" in body["fix"]
+    assert _accepted(stack, "ctl-a") == accepted  # not one connection reached the leader
+    assert await _audit(stack) == audit
+    assert (await _health(stack, "us-east")).state != "drained"
+    async with httpx.AsyncClient(timeout=10) as c:  # the counter does count a request that comes
+        r = await c.post(
+            f"{leader_url}/v1/regions/us-east/drain?dry_run=true",
+            json={"reason": "direct"},
+            headers=AUTH["operator"],
+        )
+        assert r.status_code == 200, r.text
+    assert _accepted(stack, "ctl-a") == accepted + 1
+
+
+async def test_tls_replicas_forward_over_https_verifying_the_leader(
+    stack: Stack, tmp_path: Path
+) -> None:
+    tls = _self_signed(tmp_path)  # one self-signed certificate, shared: each trusts it
+    await stack.controller("ctl-a", tls=tls)
+    assert (await stack.leader()).election.identity == "ctl-a"
+    other = tmp_path / "other"
+    other.mkdir()
+    stranger = _self_signed(other)  # ctl-c trusts another certificate only
+    await stack.controller("ctl-b", tls=tls)
+    await stack.controller("ctl-c", tls={**tls, "ca_file": stranger["cert_file"]})
+    assert (await _published(stack, "ctl-a")).startswith("https://")
+    trusted = ssl.create_default_context(cafile=str(tls["cert_file"]))
+    async with httpx.AsyncClient(base_url=stack.url("ctl-b"), verify=trusted, timeout=10) as c:
+        r = await c.post(
+            "/v1/regions/us-east/drain?dry_run=true",
+            json={"reason": "via follower, https"},
+            headers=AUTH["operator"],
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-meridian-leader"] == "ctl-a"
+    assert (await _audit(stack))[-1]["received_by"] == "ctl-b"
+    accepted, audit = _accepted(stack, "ctl-a"), await _audit(stack)
+    async with httpx.AsyncClient(base_url=stack.url("ctl-c"), verify=trusted, timeout=10) as c:
+        r = await c.post(
+            "/v1/regions/us-east/drain?dry_run=true",
+            json={"reason": "via a follower that does not trust the leader"},
+            headers=AUTH["operator"],
+        )
+        body = _problem(r, 503)
+        assert "could not reach the leader" in body["detail"]
+    assert _accepted(stack, "ctl-a") == accepted  # the handshake failed: no request was read
+    assert await _audit(stack) == audit
+
+
+def test_a_tls_replica_may_not_advertise_a_plain_http_url(tmp_path: Path) -> None:
+    tls = _self_signed(tmp_path)
+    with pytest.raises(ValueError, match="advertise_url"):
+        ApiSettings.model_validate({"port": 0, "tls": tls, "advertise_url": "http://10.0.0.1:8091"})
+    assert ApiSettings.model_validate(
+        {"port": 0, "tls": tls, "advertise_url": "https://ctl-a.example:8091"}
+    )
+
+
 async def test_policies_dry_run_answers_the_values_and_stores_nothing(
     stack: Stack, client: httpx.AsyncClient
 ) -> None:
@@ -599,5 +704,54 @@ async def test_a_flood_of_malformed_requests_is_a_few_short_log_lines(
         malformed = [line for line in lines if "malformed HTTP request from 127.0.0.1" in line]
         assert len(malformed) == 1 and " INFO aiohttp.server " in malformed[0], lines
         assert len(malformed[0]) < 400, malformed
+    finally:
+        process.stop()
+
+
+def test_the_admin_port_reloads_its_certificate_on_sighup(etcd: EtcdServer, tmp_path: Path) -> None:
+    """A real meridian-controller: SIGHUP reads api.tls's pair again (meridian_service.tls,
+    as the agent's listener does); a kept connection stays on the old one."""
+    ca = CertAuthority.create(tmp_path / "pki")
+    first, second = ca.issue("first", serial=501), ca.issue("second", serial=502)
+    cert, key = tmp_path / "admin.crt", tmp_path / "admin.key"
+    cert.write_bytes(first.cert.read_bytes())
+    key.write_bytes(first.key.read_bytes())
+    read_port, admin_port = free_port(), free_port()
+    config = tmp_path / "controller.toml"
+    config.write_text(
+        f'[etcd]\nendpoints = ["{etcd.url}"]\n[election]\nid = "ctl-hup"\n'
+        f"[server]\nport = {read_port}\n[api]\nport = {admin_port}\n"
+        f'[api.tls]\ncert_file = "{cert}"\nkey_file = "{key}"\nca_file = "{ca.cert}"\n'
+    )
+    argv = [sys.executable, "-m", "controlplane.cli", "--config", str(config)]
+    process = ServerProcess(argv, log_path=tmp_path / "controller.log")
+
+    def serial_now() -> int:
+        with (
+            socket.create_connection(("127.0.0.1", admin_port), timeout=5) as raw,
+            ca.client().wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
+            return serial(tls.getpeercert())
+
+    try:
+        url = f"https://127.0.0.1:{admin_port}"
+        wait_http(f"{url}/v1/health", what="the admin API", process=process, context=ca.client())
+        with (
+            socket.create_connection(("127.0.0.1", admin_port), timeout=5) as raw,
+            ca.client().wrap_socket(raw, server_hostname="127.0.0.1") as kept,
+        ):
+            assert serial(kept.getpeercert()) == first.serial
+            for source, target in ((second.cert, cert), (second.key, key)):
+                target.with_suffix(".new").write_bytes(source.read_bytes())
+                target.with_suffix(".new").replace(target)
+            os.kill(process.pid, signal.SIGHUP)
+            end = time.monotonic() + 10
+            while serial_now() != second.serial:
+                assert time.monotonic() < end, process.log_tail()
+                time.sleep(0.05)
+            kept.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert kept.recv(64).startswith(b"HTTP/1.1 200")
+        assert process.exit_code() is None
+        assert "TLS certificate reloaded" in process.log_tail()
     finally:
         process.stop()

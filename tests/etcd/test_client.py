@@ -230,7 +230,19 @@ async def test_a_closed_client_refuses_calls(etcd: EtcdServer) -> None:
 def test_client_config_rejects_what_it_cannot_dial() -> None:
     with pytest.raises(ValueError, match="at least one etcd endpoint"):
         meridian_etcd.ClientConfig(endpoints=[])
-    with pytest.raises(ValueError, match="TLS to etcd is not supported yet"):
+    with pytest.raises(ValueError, match="is https:// but TLS to etcd is not set up: set ca_file"):
         meridian_etcd.ClientConfig(endpoints=["https://10.0.0.1:2379"])
+    with pytest.raises(ValueError, match="plaintext http:// but ca_file is set"):
+        meridian_etcd.ClientConfig(endpoints=["http://10.0.0.1:2379"], ca_file="/ca.pem")
+    with pytest.raises(ValueError, match="cert_file and key_file go together"):
+        meridian_etcd.ClientConfig(
+            endpoints=["https://10.0.0.1:2379"], ca_file="/ca.pem", cert_file="/c.pem"
+        )
+    with pytest.raises(ValueError, match="user is set but password_file is not"):
+        meridian_etcd.ClientConfig(endpoints=["http://10.0.0.1:2379"], user="agent-eu-west")
+    secret = meridian_etcd.ClientConfig(
+        endpoints=["http://10.0.0.1:2379"], user="u", password="hunter2"
+    )
+    assert "hunter2" not in repr(secret)
     with pytest.raises(ValueError, match="timeout_s"):
         meridian_etcd.ClientConfig(endpoints=["http://10.0.0.1:2379"], timeout_s=0)

@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 
 from meridian_etcd import endpoints, errors
-from meridian_etcd.errors import LeaseLost, Refused, Unavailable
+from meridian_etcd.errors import LeaseLost, Refused, TokenExpired, Unavailable
 
 
 def _exception_classes(module: ModuleType) -> set[type[BaseException]]:
@@ -67,7 +67,17 @@ def _from_aetcd(rpc: grpc.aio.AioRpcError) -> BaseException:
         (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found", LeaseLost),
         (grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied", Refused),
         (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key is not provided", Refused),
-        (grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token", Refused),
+        (grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token", TokenExpired),
+        (grpc.StatusCode.UNAUTHENTICATED, "etcdserver: something else", Refused),
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: revision of auth store is old",
+         TokenExpired),
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: user name is empty", TokenExpired),
+        (grpc.StatusCode.INVALID_ARGUMENT,
+         "etcdserver: authentication failed, invalid user ID or password", Refused),
+        (grpc.StatusCode.UNKNOWN,
+         "auth: authentication failed, password was given for no password user", Refused),
+        (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: authentication is not enabled",
+         Refused),
         (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists", Refused),
         (grpc.StatusCode.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted",
          Refused),
@@ -101,18 +111,19 @@ def test_failures_that_are_not_etcd_s_are_left_to_rise() -> None:
         ("http://etcd-0.etcd:32379/", "etcd-0.etcd", 32379),
         ("http://10.1.2.3", "10.1.2.3", 2379),
         ("http://[::1]:2379", "::1", 2379),
+        ("https://etcd-0.etcd:2379", "etcd-0.etcd", 2379),
     ],
 )
 def test_endpoints_parse(url: str, host: str, port: int) -> None:
     endpoint = endpoints.parse(url)
     assert (endpoint.host, endpoint.port) == (host, port)
+    assert endpoint.tls == url.startswith("https://")
     assert endpoints.parse(endpoint.url) == endpoint
 
 
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("https://10.0.0.1:2379", "TLS to etcd is not supported yet"),
         ("10.0.0.1:2379", "must look like http://host:2379"),
         ("grpc://10.0.0.1:2379", "must look like http://host:2379"),
         ("http://10.0.0.1:2379/v3", "no path"),
@@ -122,3 +133,37 @@ def test_endpoints_parse(url: str, host: str, port: int) -> None:
 def test_bad_endpoints_are_refused_with_what_to_write(url: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         endpoints.parse(url)
+
+
+def test_the_details_table_only_names_codes_that_the_status_table_has() -> None:
+    assert {code for code, _ in errors.BY_DETAILS} <= set(errors.BY_STATUS)
+
+
+CA = {"etcd.ca_file": "/etc/meridian/etcd-ca.pem", "etcd.cert_file": None, "etcd.key_file": None}
+NO_TLS = dict.fromkeys(CA)
+
+
+@pytest.mark.parametrize(
+    ("urls", "tls", "says"),
+    [
+        (["https://10.0.0.1:2379"], NO_TLS, "set etcd.ca_file"),
+        (["https://10.0.0.1:2379"], NO_TLS, "TLS to etcd is not set up"),
+        (["https://10.0.0.1:2379", "http://10.0.0.2:2379"], CA, "mix http:// and https://"),
+        (["http://10.0.0.1:2379"], CA, "plaintext http:// but etcd.ca_file is set"),
+        (["http://10.0.0.1:2379"], {**NO_TLS, "etcd.cert_file": "c", "etcd.key_file": "k"},
+         "etcd.cert_file, etcd.key_file are set"),
+    ],
+)  # fmt: skip
+def test_tls_and_schemes_must_agree_and_nothing_is_downgraded(
+    urls: list[str], tls: dict[str, object], says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        endpoints.parse_all(urls, tls=tls, ca_setting="etcd.ca_file")
+
+
+def test_https_with_a_ca_and_http_without_tls_are_accepted() -> None:
+    assert all(e.tls for e in endpoints.parse_all(["https://a:2379", "https://b"], tls=CA,
+                                                  ca_setting="etcd.ca_file"))  # fmt: skip
+    assert not endpoints.parse_all(["http://a:2379"], tls=NO_TLS)[0].tls
+    with pytest.raises(ValueError, match="mix"):
+        endpoints.parse_all(["http://a:2379", "https://b:2379"])

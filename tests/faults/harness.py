@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -229,12 +230,23 @@ def start_nodes(n: int, log_dir: Path, *, seed: int = 0, **kw: Any) -> list[Node
     ]
 
 
-def wait_http(url: str, *, what: str, process: ServerProcess, timeout_s: float = 30.0) -> None:
-    """Poll ``url`` until it answers 200 (stdlib: works outside an event loop)."""
+def wait_http(
+    url: str,
+    *,
+    what: str,
+    process: ServerProcess,
+    timeout_s: float = 30.0,
+    context: ssl.SSLContext | None = None,
+) -> None:
+    """Poll ``url`` until it answers 200 (stdlib: works outside an event loop); an ``https``
+    URL is checked against ``context``."""
     import urllib.error
     import urllib.request
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if process.exit_code() is not None:
@@ -248,17 +260,20 @@ def wait_http(url: str, *, what: str, process: ServerProcess, timeout_s: float =
 
 @dataclass(slots=True)
 class AgentProc:
-    """A ``meridian-agent`` process (kill -9 for real), configured by a TOML file."""
+    """A ``meridian-agent`` process (kill -9 for real), configured by a TOML file.  With
+    ``tls`` (a client context that trusts its certificate) the agent is expected to serve HTTPS
+    (``server.tls_cert_file`` in ``config``) and is waited for over HTTPS."""
 
     port: int
     log_dir: Path
     config: str
     env: dict[str, str] = field(default_factory=dict)
     process: ServerProcess | None = None
+    tls: ssl.SSLContext | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> AgentProc:
         path = self.log_dir / f"agent-{self.port}.toml"
@@ -268,7 +283,9 @@ class AgentProc:
         log = self.log_dir / f"agent-{self.port}-{time.monotonic_ns()}.log"
         env = {**os.environ, **self.env}
         self.process = ServerProcess(argv, log_path=log, env=env)
-        wait_http(f"{self.url}/health", what=f"agent {self.url}", process=self.process)
+        wait_http(
+            f"{self.url}/health", what=f"agent {self.url}", process=self.process, context=self.tls
+        )
         return self
 
     def kill(self) -> None:

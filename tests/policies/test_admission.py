@@ -98,3 +98,47 @@ def test_retries_never_exceed_the_budget(events: list[tuple[bool, float]]) -> No
         elif budget.try_spend(now=now):
             retries += 1
     assert retries <= ratio * requests + floor * (now + 1) + 1e-9
+
+
+def test_a_full_queue_sheds_the_newest_of_the_lowest_class_below_the_newcomer() -> None:
+    waiting = [
+        admission.Waiting(seq=0, priority=2, enqueued_s=0.0),
+        admission.Waiting(seq=1, priority=1, enqueued_s=1.0),
+        admission.Waiting(seq=2, priority=2, enqueued_s=2.0),
+        admission.Waiting(seq=3, priority=1, enqueued_s=3.0),
+    ]
+
+    def victim(priority: int, now: float = 3.0) -> int | None:
+        item = admission.make_room(waiting, priority=priority, now=now, max_wait_low_s=10)
+        return None if item is None else item.seq
+
+    assert victim(0) == 2  # high: the newest low one goes
+    assert victim(1) == 2  # normal: a low one too
+    assert victim(2) is None  # low: nobody below it, so the newcomer is refused
+    # after 10 s of waiting the low ones count as normal: a normal newcomer sheds none of them
+    assert victim(1, now=12.5) is None
+    assert victim(0, now=12.5) == 3  # high sheds the newest of those that count as normal
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.floats(0, 50)), max_size=30),
+    st.integers(0, 2),
+    st.floats(50, 80),
+)
+def test_shedding_never_takes_an_equal_or_higher_class(
+    items: list[tuple[int, float]], priority: int, now: float
+) -> None:
+    waiting = [admission.Waiting(seq=i, priority=p, enqueued_s=t) for i, (p, t) in enumerate(items)]
+
+    def rank(w: admission.Waiting) -> int:
+        return admission.effective_priority(w, now=now, max_wait_low_s=10)
+
+    shed = admission.make_room(waiting, priority=priority, now=now, max_wait_low_s=10)
+    below = [w for w in waiting if rank(w) > priority]
+    if not below:
+        assert shed is None
+        return
+    assert shed is not None and rank(shed) > priority
+    lowest = max(rank(w) for w in below)
+    assert rank(shed) == lowest
+    assert shed.seq == max(w.seq for w in below if rank(w) == lowest)

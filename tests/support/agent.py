@@ -6,6 +6,7 @@ simulated nodes (tests/agent/) and against real vLLM (tests/real_vllm/) share it
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ class AgentStarter:
             {
                 "nodes": [{"url": u} for u in node_urls],
                 "routing": {"policy": policy},
-                "admin": {"token": ADMIN_TOKEN},
+                "admin": {"token_sha256": hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()},
             },
         )
         settings = Settings(**merge(values, groups))

@@ -7,6 +7,14 @@ The member listens for clients and peers on free 127.0.0.1 ports, keeps its data
 `tmp_dir`, and is ready when `/health` answers `{"health": "true"}`. `wipe()` deletes every
 key through the v3 JSON gateway, so a shared server can hand each test an empty keyspace
 without needing an event loop.
+
+    certs = make_certs(tmp_dir / "pki", clients=["agent-eu-west", "meridian-controller"])
+    with start_etcd_tls(tmp_dir, certs) as etcd:   # https://, --client-cert-auth
+        store = client(etcd.url, **certs.access("agent-eu-west"))
+
+`make_certs` makes a CA, the member's certificate (SAN 127.0.0.1) and client certificates by
+CN with Debian's `openssl`, the commands docs/security-etcd.md gives. `start_etcd(...,
+extra_args=["--auth-token-ttl=2"])` passes etcd more flags.
 """
 
 from __future__ import annotations
@@ -15,14 +23,17 @@ import base64
 import json
 import os
 import shutil
+import ssl
+import subprocess
 import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import meridian_etcd
 from tests.support.ports import free_port
@@ -34,9 +45,90 @@ START_TIMEOUT_S = 30.0
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EtcdCerts:
+    """A CA, the member's certificate and key, and client certificates by CN, in `directory`."""
+
+    directory: Path
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    clients: Mapping[str, tuple[Path, Path]] = field(default_factory=dict)
+
+    def cert(self, cn: str) -> Path:
+        return self.clients[cn][0]
+
+    def key(self, cn: str) -> Path:
+        return self.clients[cn][1]
+
+    def access(self, cn: str | None = None) -> dict[str, Any]:
+        """`ClientConfig` arguments: the CA, and the client certificate of `cn` if given."""
+        out: dict[str, Any] = {"ca_file": self.ca}
+        if cn is not None:
+            out |= {"cert_file": self.cert(cn), "key_file": self.key(cn)}
+        return out
+
+    def context(self, cn: str) -> ssl.SSLContext:
+        """An HTTPS client context trusting the CA and presenting `cn`'s certificate."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.cert(cn)), str(self.key(cn)))
+        return context
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=cwd)
+
+
+def make_certs(
+    directory: Path, *, clients: Sequence[str], host: str = "127.0.0.1", days: int = 1
+) -> EtcdCerts:
+    """A CA (`ca.crt`), the member's certificate for `host` (`member.crt`: server and client
+    use, as etcd's gateway dials the member with it) and one client certificate per CN
+    (`<cn>.crt`), each with its key: P-256, quick to make."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", *_EC, "-days", str(days), "-subj", "/CN=meridian-etcd-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "-keyout", "ca.key", "-out", "ca.crt", cwd=directory,
+    )  # fmt: skip
+    (directory / "member.ext").write_text(
+        f"subjectAltName=IP:{host}\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    (directory / "client.ext").write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=clientAuth\n"
+    )
+    issued: dict[str, tuple[Path, Path]] = {}
+    for name, cn, ext in [("member", "etcd-member", "member.ext"),
+                          *((c, c, "client.ext") for c in clients)]:  # fmt: skip
+        _openssl("req", "-new", *_EC, "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
+                 "-out", f"{name}.csr", cwd=directory)  # fmt: skip
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", str(days), "-extfile", ext, "-out", f"{name}.crt",
+            cwd=directory,
+        )  # fmt: skip
+        issued[name] = (directory / f"{name}.crt", directory / f"{name}.key")
+    member = issued.pop("member")
+    return EtcdCerts(
+        directory=directory,
+        ca=directory / "ca.crt",
+        server_cert=member[0],
+        server_key=member[1],
+        clients=issued,
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EtcdServer:
-    """Where a running test etcd listens. `url` is the client URL (`http://host:port`)."""
+    """Where a running test etcd listens. `url` is the client URL (`http://host:port`, or
+    `https://` with `certs`: then `/health` is asked with the client certificate `health_cn`)."""
 
     host: str
     port: int
@@ -44,14 +136,25 @@ class EtcdServer:
     name: str
     data_dir: Path
     process: ServerProcess
+    certs: EtcdCerts | None = None
+    health_cn: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.certs else 'http'}://{self.host}:{self.port}"
+
+    def _open(self, request: str | urllib.request.Request, timeout: float) -> Any:
+        if self.certs is None:
+            return _HTTP.open(request, timeout=timeout)
+        assert self.health_cn is not None, "a TLS etcd needs a client certificate for /health"
+        https = urllib.request.HTTPSHandler(context=self.certs.context(self.health_cn))
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}), https).open(
+            request, timeout=timeout
+        )
 
     def healthy(self) -> bool:
         try:
-            with _HTTP.open(f"{self.url}/health", timeout=1.0) as response:
+            with self._open(f"{self.url}/health", timeout=1.0) as response:
                 body = json.loads(response.read())
         except (OSError, ValueError):
             return False
@@ -66,14 +169,24 @@ class EtcdServer:
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with _HTTP.open(request, timeout=5.0) as response:
+        with self._open(request, timeout=5.0) as response:
             body = json.loads(response.read())
         return int(body.get("deleted", 0))
 
 
 @contextmanager
-def start_etcd(tmp_dir: Path) -> Iterator[EtcdServer]:
+def start_etcd(
+    tmp_dir: Path,
+    *,
+    certs: EtcdCerts | None = None,
+    health_cn: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> Iterator[EtcdServer]:
     """Start etcd in a new directory under `tmp_dir`, wait until healthy, stop it on exit.
+
+    With `certs`, it serves clients over TLS only (https:// URLs, its certificate, the CA)
+    and asks for client certificates (`--client-cert-auth`); `/health` is then asked with
+    `health_cn`'s. `extra_args` go to etcd as they are (`--auth-token-ttl=2`).
 
     The data directory (over 100 MB: etcd preallocates its WAL) is deleted after the stop;
     the log, etcd.log, stays next to it.
@@ -82,7 +195,10 @@ def start_etcd(tmp_dir: Path) -> Iterator[EtcdServer]:
     launched: list[EtcdServer] = []
 
     def launch() -> EtcdServer:
-        launched.append(_launch(binary, Path(tempfile.mkdtemp(prefix="etcd-", dir=tmp_dir))))
+        work_dir = Path(tempfile.mkdtemp(prefix="etcd-", dir=tmp_dir))
+        launched.append(
+            _launch(binary, work_dir, certs=certs, health_cn=health_cn, extra_args=extra_args)
+        )
         return launched[-1]
 
     try:
@@ -93,14 +209,30 @@ def start_etcd(tmp_dir: Path) -> Iterator[EtcdServer]:
             shutil.rmtree(each.data_dir, ignore_errors=True)
 
 
-def _launch(binary: str, work_dir: Path) -> EtcdServer:
+@contextmanager
+def start_etcd_tls(
+    tmp_dir: Path, certs: EtcdCerts, *, health_cn: str, extra_args: Sequence[str] = ()
+) -> Iterator[EtcdServer]:
+    """`start_etcd` over TLS with client certificates required: see there."""
+    with start_etcd(tmp_dir, certs=certs, health_cn=health_cn, extra_args=extra_args) as server:
+        yield server
+
+
+def _launch(
+    binary: str,
+    work_dir: Path,
+    *,
+    certs: EtcdCerts | None = None,
+    health_cn: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> EtcdServer:
     data_dir = work_dir / "data"
     port = free_port()
     peer_port = free_port()
     while peer_port == port:
         peer_port = free_port()
     name = f"meridian-test-{uuid.uuid4().hex[:8]}"
-    client_url = f"http://{HOST}:{port}"
+    client_url = f"{'https' if certs else 'http'}://{HOST}:{port}"
     peer_url = f"http://{HOST}:{peer_port}"
     argv = [
         binary,
@@ -117,6 +249,14 @@ def _launch(binary: str, work_dir: Path) -> EtcdServer:
         "--log-outputs=stderr",
         "--log-level=warn",
     ]
+    if certs is not None:
+        argv += [
+            f"--cert-file={certs.server_cert}",
+            f"--key-file={certs.server_key}",
+            f"--trusted-ca-file={certs.ca}",
+            "--client-cert-auth",
+        ]
+    argv += list(extra_args)
     # etcd also reads ETCD_* variables and refuses a flag that one of them shadows.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
     if "ETCD_UNSUPPORTED_ARCH" in os.environ:
@@ -129,6 +269,8 @@ def _launch(binary: str, work_dir: Path) -> EtcdServer:
         name=name,
         data_dir=data_dir,
         process=process,
+        certs=certs,
+        health_cn=health_cn,
     )
 
 
@@ -155,6 +297,8 @@ def relaunch(server: EtcdServer) -> EtcdServer:
         name=server.name,
         data_dir=server.data_dir,
         process=process,
+        certs=server.certs,
+        health_cn=server.health_cn,
     )
     _wait_ready(again)
     return again
@@ -214,8 +358,9 @@ def start_etcd_cluster(tmp_dir: Path, *, size: int = 3) -> Iterator[list[EtcdSer
             shutil.rmtree(member.data_dir, ignore_errors=True)
 
 
-def client(*urls: str, timeout_s: float = 3.0) -> meridian_etcd.Store:
-    """The etcd layer's client for ``urls`` (``meridian_etcd.Store``), as the shells build it."""
+def client(*urls: str, timeout_s: float = 3.0, **access: Any) -> meridian_etcd.Store:
+    """The etcd layer's client for ``urls`` (``meridian_etcd.Store``), as the shells build it;
+    ``access``: TLS and auth (``ca_file=``, ``cert_file=``, ``user=``, ...)."""
     return meridian_etcd.Store(
-        meridian_etcd.ClientConfig(endpoints=list(urls), timeout_s=timeout_s)
+        meridian_etcd.ClientConfig(endpoints=list(urls), timeout_s=timeout_s, **access)
     )
