@@ -1,5 +1,5 @@
 """Least privilege in etcd: which etcd user may touch which keys, and the bootstrap that makes
-etcd enforce it (``meridian-controller etcd bootstrap``; docs/security-etcd.md).
+etcd enforce it (``meridian-controller etcd bootstrap``; docs/security.md#etcd-tls-users-and-roles).
 
 ===========================  ===========================  =========================================
 user                         role                         keys (``/meridian/v1/`` …)

@@ -426,6 +426,25 @@ class Store:
 
     # -- lifetime --------------------------------------------------------------------------------
 
+    async def diagnose(self) -> str | None:
+        """Why a member refuses this client's TLS (:func:`security.probe`), as
+        ``"<url>: <reason>"`` for the first member that does; ``None`` without TLS, or when
+        every member either cannot be reached or accepts the client."""
+        if not self._config.tls:
+            return None
+        for endpoint in self._endpoints:
+            reason = await security.probe(
+                endpoint.host,
+                endpoint.port,
+                ca_file=self._config.ca_file,
+                cert_file=self._config.cert_file,
+                key_file=self._config.key_file,
+                timeout_s=self._timeout_s,
+            )
+            if reason is not None:
+                return f"{endpoint.url}: {reason}"
+        return None
+
     async def close(self) -> None:
         self._closed = True
         await self._drop(self._generation, reason="closing", rotate=False)

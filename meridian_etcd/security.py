@@ -16,10 +16,19 @@ or a file (unreadable, no PEM CA, a key that is not the certificate's, an empty 
 both shells' settings call it at start.  :func:`load` reads the files for a connection; the
 client reads them again for each new connection, so a rotated certificate takes effect at the
 next reconnect (a restart at the latest).
+
+**Why a member refuses a client.**  gRPC reports a refused client certificate as a reset
+connection, the same words as a member that is down.  :func:`probe` opens one TLS connection
+to a member as gRPC would (the same CA, certificate and key, ALPN ``h2``) and says which it is:
+the member's certificate does not verify, the member refused the client certificate with an
+alert, or it closed the connection after the handshake, as etcd does with a certificate that is
+revoked (``--client-crl-file``) or that it cannot verify.  It has no answer when the member
+cannot be reached at all or speaks HTTP/2 back: then the trouble is not TLS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 from dataclasses import dataclass, field
@@ -156,3 +165,66 @@ def _pair(cert: Path, key: Path, cert_setting: str, key_setting: str) -> None:
             f"{key_setting}: {key} and {cert_setting}: {cert} are not a PEM certificate and "
             f"its unencrypted private key ({exc.reason or exc})"
         ) from exc
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+async def probe(
+    host: str,
+    port: int,
+    *,
+    ca_file: PathLike | None,
+    cert_file: PathLike | None = None,
+    key_file: PathLike | None = None,
+    timeout_s: float = 3.0,
+) -> str | None:
+    """Why the member at ``host:port`` refuses a TLS client with these files, or ``None``: it
+    cannot be reached (not TLS's fault) or answers HTTP/2 (TLS is fine).  The words name the
+    settings' roles (``ca_file``, ``cert_file``), not the files' contents."""
+    context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+    if cert_file is not None and key_file is not None:
+        try:
+            context.load_cert_chain(str(cert_file), str(key_file), password=lambda: b"")
+        except (OSError, ssl.SSLError) as exc:
+            return f"cert_file and key_file do not load: {exc}"
+    context.set_alpn_protocols(["h2"])
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            try:
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=context, server_hostname=host
+                )
+            except ssl.SSLCertVerificationError as exc:
+                return (
+                    f"the member's certificate does not verify against ca_file: "
+                    f"{exc.verify_message}"
+                )
+            except ssl.SSLError as exc:
+                return f"the member refused the TLS handshake: {exc.reason or exc}"
+            except OSError:
+                return None  # refused, unreachable: the network or the member, not TLS
+            writer.write(_H2_PREFACE)
+            try:
+                await writer.drain()
+                head = await reader.read(9)
+            except ssl.SSLError as exc:
+                return f"the member refused the client certificate: {exc.reason or exc}"
+            except OSError:
+                head = b""
+            if head:
+                return None  # an HTTP/2 frame: TLS and the certificate are fine
+            return (
+                "the member closed the connection after the TLS handshake: it does not accept "
+                "the client certificate in cert_file (expired, revoked, or not signed by a CA "
+                "the member trusts)"
+                if cert_file is not None
+                else "the member closed the connection after the TLS handshake (does it want a "
+                "client certificate? set cert_file and key_file)"
+            )
+    except TimeoutError:
+        return None
+    finally:
+        if writer is not None:
+            writer.close()

@@ -1,5 +1,5 @@
 """The data plane's API keys and tenants: who may call ``/v1/*``, with what priority, on which
-models, at what rate (docs/agent.md, "Tenants, keys and rate limits"; docs/security-tenants.md).
+models, at what rate (docs/agent.md, "Tenants, keys and rate limits").
 
 **Open mode.**  Without ``tenants.keys_file`` every client is served as before: ``X-Priority``
 and ``X-Tenant`` are honoured and ``Authorization`` is forwarded to the node.  The agent logs a

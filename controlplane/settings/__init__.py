@@ -39,7 +39,7 @@ class EtcdSettings(_Group):
     ca_file: Path | None = Field(
         None,
         description="PEM CA that signed the etcd members' certificates; required with https:// "
-        "endpoints, refused with http:// ones (docs/security-etcd.md)",
+        "endpoints, refused with http:// ones (docs/security.md#etcd-tls-users-and-roles)",
     )
     cert_file: Path | None = Field(
         None,

@@ -46,7 +46,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pydantic
 
@@ -68,11 +68,20 @@ log = logging.getLogger(__name__)
 class Link:
     """Whether etcd answers, as the loops find it; each change is logged once."""
 
-    def __init__(self, *, instruments: Instruments, region: str) -> None:
+    def __init__(
+        self,
+        *,
+        instruments: Instruments,
+        region: str,
+        diagnose: Callable[[], Awaitable[str | None]] | None = None,
+    ) -> None:
         self._instruments = instruments
         self._region = region
+        self._diagnose = diagnose
+        self._diagnosis: asyncio.Task[None] | None = None
         self.up: bool | None = None  # None: not tried yet
         self.changes = 0  # how many times it went down or came back
+        self.refused: str | None = None  # why etcd refuses this agent's TLS, when it does
 
     def ok(self, endpoint: str) -> bool:
         """etcd answered; returns whether it had been down (it came back)."""
@@ -84,6 +93,7 @@ class Link:
             else:
                 log.info("etcd reachable region=%s etcd=%s", self._region, endpoint)
         self.up = True
+        self.refused = None
         self._instruments.etcd_connected = True
         return came_back
 
@@ -98,8 +108,32 @@ class Link:
                 self._region,
                 exc.message,
             )
+            if self._diagnose is not None and self._diagnosis is None:
+                self._diagnosis = asyncio.get_running_loop().create_task(self._why())
         self.up = False
         self._instruments.etcd_connected = False
+
+    async def _why(self) -> None:
+        """Once per loss of etcd: is it this agent's certificate (expired, revoked)?  gRPC
+        words that the same as a member that is down; only a TLS probe tells them apart."""
+        assert self._diagnose is not None
+        try:
+            reason = await self._diagnose()
+        except Exception as exc:  # a diagnosis must never take a loop down
+            log.debug("etcd TLS diagnosis failed: %s", exc)
+            reason = None
+        finally:
+            self._diagnosis = None
+        self.refused = reason
+        if reason is not None:
+            log.error(
+                "etcd refuses this agent region=%s: %s; renew region.etcd_cert_file and "
+                "region.etcd_key_file (or region.etcd_ca_file if the members' CA changed). "
+                "Serving on what the agent knows; the controller will see the region's "
+                "liveness lapse",
+                self._region,
+                reason,
+            )
 
 
 class Publisher:
@@ -133,7 +167,7 @@ class Publisher:
         self.region = self.identity.region
         self.agent_id = self.identity.agent_id
         self._timing = status.Timing.of(settings)
-        self.link = Link(instruments=instruments, region=self.region)
+        self.link = Link(instruments=instruments, region=self.region, diagnose=store.diagnose)
         self.window = LoadWindow(window_s=settings.window_s)
         self.desired = RegionDesired()  # the last good value; defaults until one is read
         self.desired_revision = 0

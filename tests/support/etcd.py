@@ -13,8 +13,8 @@ without needing an event loop.
         store = client(etcd.url, **certs.access("agent-eu-west"))
 
 `make_certs` makes a CA, the member's certificate (SAN 127.0.0.1) and client certificates by
-CN with Debian's `openssl`, the commands docs/security-etcd.md gives. `start_etcd(...,
-extra_args=["--auth-token-ttl=2"])` passes etcd more flags.
+CN with Debian's `openssl`, the commands docs/security.md#etcd-tls-users-and-roles gives.
+`start_etcd(..., extra_args=["--auth-token-ttl=2"])` passes etcd more flags.
 """
 
 from __future__ import annotations
@@ -123,6 +123,24 @@ def make_certs(
         server_key=member[1],
         clients=issued,
     )
+
+
+def revoke(certs: EtcdCerts, *cns: str) -> Path:
+    """A CRL, signed by the CA, that revokes the client certificates of ``cns``: the file
+    etcd's ``--client-crl-file`` takes (``openssl ca``, as a small CA would do it)."""
+    directory = certs.directory
+    (directory / "ca.cnf").write_text(
+        "[ca]\ndefault_ca = meridian\n[meridian]\ndatabase = index.txt\n"
+        "crlnumber = crlnumber\ndefault_md = sha256\ndefault_crl_days = 1\n"
+        "certificate = ca.crt\nprivate_key = ca.key\n"
+    )
+    (directory / "index.txt").touch()
+    if not (directory / "crlnumber").exists():
+        (directory / "crlnumber").write_text("01\n")
+    for cn in cns:
+        _openssl("ca", "-config", "ca.cnf", "-revoke", certs.cert(cn).name, cwd=directory)
+    _openssl("ca", "-config", "ca.cnf", "-gencrl", "-out", "crl.pem", cwd=directory)
+    return directory / "crl.pem"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,11 +303,12 @@ def _wait_ready(server: EtcdServer) -> None:
     raise server.process.failure(f"etcd not healthy after {START_TIMEOUT_S:.0f} s")
 
 
-def relaunch(server: EtcdServer) -> EtcdServer:
-    """Start a stopped member again: same name, ports and data. The caller stops it."""
+def relaunch(server: EtcdServer, *, extra_args: Sequence[str] = ()) -> EtcdServer:
+    """Start a stopped member again: same name, ports and data, ``extra_args`` added to its
+    flags (``--client-crl-file=...``). The caller stops it."""
     log_path = server.process.log_path.with_name(f"etcd-{uuid.uuid4().hex[:6]}.log")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
-    process = ServerProcess(server.process.argv, log_path=log_path, env=env)
+    process = ServerProcess([*server.process.argv, *extra_args], log_path=log_path, env=env)
     again = EtcdServer(
         host=server.host,
         port=server.port,
