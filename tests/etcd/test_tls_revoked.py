@@ -1,4 +1,4 @@
-"""An agent whose etcd client certificate is revoked fails static, against real etcd.
+"""An agent whose etcd client certificate is revoked or expired fails static, against real etcd.
 
 A TLS etcd with ``--client-cert-auth`` and auth enabled (by the real ``meridian-controller etcd
 bootstrap``), a real agent of eu-west and a controller reaching it with their own certificates;
@@ -7,7 +7,8 @@ with the CRL (``--client-crl-file``: etcd reads it at start), as a member restar
 revocation, or an expired certificate at its next handshake, would refuse it.  The agent keeps
 routing every request, says at ERROR why etcd refuses it and which setting to renew, and the
 controller, whose certificate is still good, sees eu-west's liveness lapse and fails it as it
-would a dead region.
+would a dead region.  An agent started with an expired certificate serves as well, and says
+so.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.support.agent import AgentFactory
 from tests.support.etcd import (
     EtcdCerts,
     EtcdServer,
+    expired,
     make_certs,
     relaunch,
     revoke,
@@ -174,5 +176,36 @@ async def test_a_revoked_agent_certificate_fails_static_and_the_region_lapses(
         assert any("region.etcd_cert_file" in m for m in errors), errors
         # the controller's own certificate still works: it is the one that judged
         assert controller.election.leading and controller.etcd_ok
+    finally:
+        await reader.close()
+
+
+async def test_an_agent_with_an_expired_certificate_serves_and_says_why(
+    etcd_tls: Etcd, sim_node: Any, start_agent: AgentFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    certs = etcd_tls.certs
+    cert, key = expired(certs, "agent-eu-west")
+    caplog.set_level(logging.WARNING, logger="regional_agent")
+    agent = await start_agent(
+        [await sim_node()],
+        region={
+            **REGION, "agent_id": "old-a1", "etcd": [etcd_tls.server.url],
+            "etcd_ca_file": certs.ca, "etcd_cert_file": cert, "etcd_key_file": key,
+            "lease_ttl_s": 2, "etcd_timeout_s": 2.0, "retry_base_s": 0.1, "retry_max_s": 0.5,
+        },
+    )  # fmt: skip
+    publisher = agent.publisher
+    assert publisher is not None
+    await until(lambda: publisher.link.refused is not None, 15, "the agent's diagnosis")
+    assert publisher.link.up is False
+    assert "certificate" in (publisher.link.refused or ""), publisher.link.refused
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("region.etcd_cert_file" in m for m in errors), errors
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert [await _chat(http, agent.url) for _ in range(5)] == [200] * 5
+    # etcd holds nothing of it: the certificate never got a call through
+    reader = etcd_client(etcd_tls.server.url, timeout_s=2.0, **certs.access("meridian-controller"))
+    try:
+        assert await reader.get(keys.agent_alive("eu-west", "old-a1")) is None
     finally:
         await reader.close()

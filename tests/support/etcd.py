@@ -143,6 +143,28 @@ def revoke(certs: EtcdCerts, *cns: str) -> Path:
     return directory / "crl.pem"
 
 
+def expired(certs: EtcdCerts, cn: str) -> tuple[Path, Path]:
+    """A client certificate for ``cn`` from the CA that expired on 2 January 2025, and its key
+    (``openssl ca -startdate/-enddate``: ``x509 -days`` cannot date one in the past)."""
+    directory = certs.directory
+    (directory / "newcerts").mkdir(exist_ok=True)
+    (directory / "index.txt").touch()
+    (directory / "expired.cnf").write_text(
+        "[ca]\ndefault_ca = meridian\n[meridian]\ndatabase = index.txt\n"
+        "new_certs_dir = newcerts\nserial = expired.srl\ndefault_md = sha256\n"
+        "certificate = ca.crt\nprivate_key = ca.key\npolicy = any\n[any]\n"
+        "commonName = supplied\n"
+    )
+    (directory / "expired.srl").write_text(uuid.uuid4().hex + "\n")
+    name = f"{cn}-expired"
+    _openssl("req", "-new", *_EC, "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", cwd=directory)  # fmt: skip
+    _openssl("ca", "-batch", "-config", "expired.cnf", "-startdate", "20250101000000Z",
+             "-enddate", "20250102000000Z", "-extfile", "client.ext", "-in", f"{name}.csr",
+             "-out", f"{name}.crt", cwd=directory)  # fmt: skip
+    return directory / f"{name}.crt", directory / f"{name}.key"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EtcdServer:
     """Where a running test etcd listens. `url` is the client URL (`http://host:port`, or
