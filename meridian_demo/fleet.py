@@ -17,6 +17,12 @@ windows (2 s instead of 30 s) it then:
    ``status``, a dry-run manual failover of eu-west that changes nothing, the
    same failover applied, a viewer token refused, the failback and its ramp, and the audit.
 
+Every channel is secured as docs/security.md says: etcd serves TLS and asks for client
+certificates (a CA and one certificate per region, per controller and for root, made with
+``openssl``), ``meridian-controller etcd bootstrap`` gives each region a role that writes only
+its own keys (the demo shows eu-west's certificate refused on us-east's status), and the agents
+take only API keys (a tenant per region, keys stored as hashes).
+
 A real BIND9 (when installed; ``make setup`` installs it) serves ``meridian.example.`` in two
 views, configured by ``bindconf.render`` — ``eu`` for clients from 127.0.0.2, ``default`` (us)
 for everyone else — and the controllers steer it with TSIG-signed RFC 2136 updates.
@@ -77,6 +83,34 @@ API_NAME = "api." + DNS_ZONE
 SRV_NAME = "_https._tcp.api." + DNS_ZONE
 
 
+DEMO_KEY = "demo-data-plane-key"  # the traffic's API key: the agents keep only its hash
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def make_pki(directory: Path, clients: Sequence[str]) -> None:
+    """A CA, etcd's member certificate for 127.0.0.1 and a client certificate per CN, with
+    Debian's ``openssl`` (the commands of docs/security.md)."""
+    directory.mkdir(parents=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
+
+    openssl("req", "-x509", *_EC, "-days", "1", "-subj", "/CN=meridian-demo-etcd-ca",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    (directory / "member.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    (directory / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name, ext in [("member", "member.ext"), *((c, "client.ext") for c in clients)]:
+        openssl("req", "-new", *_EC, "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                "-out", f"{name}.csr")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "1", "-extfile", ext,
+                "-out", f"{name}.crt")  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,17 +166,30 @@ class Fleet:
         p.url = line.split()[1]
         return p
 
+    @property
+    def pki(self) -> Path:
+        return self.work / "pki"
+
+    def etcd_files(self, cn: str) -> dict[str, str]:
+        """The CA and ``cn``'s client certificate and key."""
+        return {"ca_file": str(self.pki / "ca.crt"), "cert_file": str(self.pki / f"{cn}.crt"),
+                "key_file": str(self.pki / f"{cn}.key")}  # fmt: skip
+
     def start_etcd(self) -> None:
+        """etcd over TLS, client certificates required (``--client-cert-auth``)."""
+        make_pki(self.pki, ["root", "meridian-controller", *(f"agent-{r}" for r in REGIONS)])
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         port, peer = _free_port(), _free_port()
-        self.etcd_url = f"http://127.0.0.1:{port}"
+        self.etcd_url = f"https://127.0.0.1:{port}"
         p = self.spawn(
             "etcd",
             [binary, "--name=demo", f"--data-dir={self.work / 'etcd'}",
              f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
              f"--listen-peer-urls=http://127.0.0.1:{peer}",
              f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-             f"--initial-cluster=demo=http://127.0.0.1:{peer}", "--log-level=error"],
+             f"--initial-cluster=demo=http://127.0.0.1:{peer}", "--log-level=error",
+             f"--cert-file={self.pki / 'member.crt'}", f"--key-file={self.pki / 'member.key'}",
+             f"--trusted-ca-file={self.pki / 'ca.crt'}", "--client-cert-auth"],
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -151,6 +198,33 @@ class Fleet:
                 return
             time.sleep(0.1)
         raise SystemExit("demo: etcd did not start")
+
+    def bootstrap_etcd(self) -> list[str]:
+        """``meridian-controller etcd bootstrap`` as root: the roles, users and auth."""
+        config = self.work / "bootstrap.toml"
+        files = self.etcd_files("root")
+        config.write_text(
+            f'[etcd]\nendpoints = ["{self.etcd_url}"]\n'
+            + "".join(f'{k} = "{v}"\n' for k, v in files.items())
+            + "".join(f'[[regions]]\nid = "{r}"\ngeo = "{i["geo"]}"\n' for r, i in REGIONS.items())
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "controlplane.cli", "etcd", "bootstrap", "--config",
+             str(config)], capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"demo: etcd bootstrap failed: {done.stderr.strip()}")
+        return done.stdout.splitlines()
+
+    def write_keys(self) -> Path:
+        """The agents' keys file: one tenant, the traffic's key as its SHA-256."""
+        path = self.work / "tenants.toml"
+        digest = hashlib.sha256(DEMO_KEY.encode()).hexdigest()
+        path.write_text(
+            '[[tenants]]\nname = "demo-traffic"\npriority = "normal"\nrpm = 100000\n\n'
+            f'[[tenants.keys]]\nname = "demo"\nsha256 = "{digest}"\n'
+        )
+        return path
 
     def start_region(self, region: str) -> None:
         info = REGIONS[region]
@@ -176,7 +250,12 @@ class Fleet:
         self.start_agent(region)
 
     def start_agent(self, region: str) -> None:
+        files = self.etcd_files(f"agent-{region}")  # the region's own etcd user
         env = {
+            "MERIDIAN_AGENT_REGION__ETCD_CA_FILE": files["ca_file"],
+            "MERIDIAN_AGENT_REGION__ETCD_CERT_FILE": files["cert_file"],
+            "MERIDIAN_AGENT_REGION__ETCD_KEY_FILE": files["key_file"],
+            "MERIDIAN_AGENT_TENANTS__KEYS_FILE": str(self.work / "tenants.toml"),
             "MERIDIAN_AGENT_REGION__LEASE_TTL_S": "2",
             "MERIDIAN_AGENT_REGION__WINDOW_S": str(self.window_s),
             "MERIDIAN_AGENT_REGION__MIN_INTERVAL_S": "0.5",
@@ -303,7 +382,9 @@ class Fleet:
             name,
             [sys.executable, "-m", "controlplane.cli", "--etcd", self.etcd_url, "--config",
              str(config), "--id", name, "--port", "0", "--log-level", "WARNING"],
-            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3"},
+            env={"MERIDIAN_CONTROLLER_ELECTION__LEASE_TTL_S": "3",
+                 **{f"MERIDIAN_CONTROLLER_ETCD__{k.upper()}": v
+                    for k, v in self.etcd_files("meridian-controller").items()}},
         )  # fmt: skip
         self.controllers[name] = self.ready(p)
 
@@ -324,7 +405,8 @@ class Fleet:
 
 async def _traffic(fleet: Fleet, stop: asyncio.Event) -> None:
     """A steady trickle of chat requests into every live region's agent."""
-    async with aiohttp.ClientSession() as session:
+    headers = {"Authorization": f"Bearer {DEMO_KEY}"}  # the tenant's API key
+    async with aiohttp.ClientSession(headers=headers) as session:
 
         async def one(region: str) -> None:
             agent = fleet.agents.get(region)
@@ -423,6 +505,46 @@ async def _show(
     return {"regions": rows, "leader": leader}
 
 
+async def _security(fleet: Fleet, session: aiohttp.ClientSession) -> None:
+    """What each credential may do: eu-west's etcd certificate on another region's key, a
+    plaintext etcd client, a data-plane request without a key and with one."""
+    import meridian_etcd  # the demo's one direct etcd client
+    from meridian_wire import keys
+
+    tries = [
+        ("eu-west's agent certificate writes us-east's status", "agent-eu-west",
+         keys.agent_status("us-east", "forged")),
+        ("eu-west's agent certificate writes the controller's plan", "agent-eu-west", keys.PLAN),
+        ("eu-west's agent certificate takes the leader key", "agent-eu-west", keys.LEADER),
+        ("eu-west's agent certificate writes its own status", "agent-eu-west",
+         keys.agent_status("eu-west", "demo-probe")),
+    ]  # fmt: skip
+    for what, cn, key in tries:
+        store = meridian_etcd.Store(
+            meridian_etcd.ClientConfig(endpoints=[fleet.etcd_url], **fleet.etcd_files(cn))
+        )
+        try:
+            await store.put(key, b"{}")
+            await store.delete(key)
+            print(f"   {what}: allowed")
+        except meridian_etcd.EtcdError as exc:
+            print(f"   {what}: refused ({exc.message.rsplit(': ', 1)[-1]})")
+        finally:
+            await store.close()
+    agent = fleet.agents["eu-west"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    tries_http = [
+        ("without a key", {}),
+        ("with a wrong key", {"Authorization": "Bearer not-a-key"}),
+        ("with the tenant's key", {"Authorization": f"Bearer {DEMO_KEY}"}),
+    ]
+    for label, headers in tries_http:
+        async with session.post(
+            f"{agent.url}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            print(f"   POST {agent.url}/v1/chat/completions {label}: {r.status}")
+
+
 async def _ctl(fleet: Fleet, token: str, *args: str) -> int:
     """Run ``meridianctl ARGS`` against a live replica's admin API, print it, return its code."""
     live = [c for c in fleet.controllers.values() if c.proc.poll() is None and c.admin_url]
@@ -463,6 +585,8 @@ async def _run(fleet: Fleet) -> int:
                 state = await _show(fleet, session, seen, t0)
             return state
 
+        print("\n== 0. every channel secured: etcd's roles, API keys on the data plane\n")
+        await _security(fleet, session)
         print("\n== 1. steady state: eu-north pre-warms to half of eu-west's capacity\n")
         await windows(5)
         print("\n== 2. eu-west's agent dies (SIGKILL)\n")
@@ -531,6 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"windows of {args.window_s:g} s"
         )
         fleet.start_etcd()
+        print(f"  etcd: {fleet.etcd_url} (TLS, client certificates); bootstrap:")
+        for line in fleet.bootstrap_etcd():
+            print(f"    {line}")
+        fleet.write_keys()
         fleet.start_bind()
         if fleet.dns is not None:
             print(f"  BIND9: 127.0.0.1:{fleet.dns.port}, views eu (127.0.0.2) and default (us)")
