@@ -1,4 +1,5 @@
-"""``make demo`` end to end (1 s windows): a region fails, the leader dies, it comes back."""
+"""``make demo`` end to end (1 s windows): every channel secured, a region fails, the leader
+dies, it comes back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
 ) -> None:
     assert demo.main(["--window-s", "1"]) == 0
     out = capsys.readouterr().out
+    # step 0: every channel secured (real etcd with TLS, client certificates and auth)
+    assert "+ auth enabled" in out
+    step0 = out.split("== 0.", 1)[1].split("== 1.", 1)[0]
+    for what in ("us-east's status", "the controller's plan", "the leader key"):
+        assert (
+            f"eu-west's agent certificate {'takes' if 'leader' in what else 'writes'} {what}: "
+            "refused (permission denied)" in step0
+        ), step0
+    assert "writes its own status: allowed" in step0
+    assert re.search(r"without a key: 401\n.*with a wrong key: 401\n.*tenant's key: 200", step0)
     assert re.search(r"eu-west +failed +strikes 3 +weight +0\.0 %", out)
     assert "eu-west's traffic moves to backup eu-north" in out
     assert "DNS answers  eu: eu-north 100%" in out
