@@ -40,7 +40,15 @@ class Client:
     ) -> None:
         verify: ssl.SSLContext | bool = True
         if config.ca_file:
-            verify = ssl.create_default_context(cafile=config.ca_file)
+            try:
+                verify = ssl.create_default_context(cafile=config.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise CtlError(
+                    f"ca_file {config.ca_file}: {getattr(exc, 'strerror', None) or exc}",
+                    code=Exit.USAGE,
+                    fix="point ca_file (MERIDIAN_CA_FILE) at the PEM CA that signed the admin "
+                    "API's certificate (api.tls.ca_file of the controller)",
+                ) from None
         headers = {"User-Agent": "meridianctl/1"}
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"

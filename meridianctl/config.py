@@ -62,7 +62,9 @@ def load(
         except OSError as exc:
             raise CtlError(f"cannot read token_file {token_path}: {exc.strerror}",
                            code=Exit.USAGE) from exc  # fmt: skip
-    timeout = env.get("MERIDIAN_TIMEOUT_S") or data.get("timeout_s") or 10.0
+    timeout = env.get("MERIDIAN_TIMEOUT_S") or data.get("timeout_s")
+    if timeout is None:  # not `or 10.0`: a 0 in the file is refused below, not replaced
+        timeout = 10.0
     try:
         timeout_s = float(str(timeout))
     except ValueError as exc:

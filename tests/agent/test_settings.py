@@ -65,7 +65,7 @@ weight = 2.0
     ("args", "env", "needle"),
     [
         (["--node", "http://127.0.0.1:1", "--policy", "fastest"], {}, "routing.policy"),
-        (["--node", "localhost:8000"], {}, "nodes.0.url"),
+        (["--node", "localhost:8000"], {}, "nodes[0].url"),
         (
             ["--node", "http://127.0.0.1:1"],
             {"MERIDIAN_AGENT_QUEUE__MAX_DEPTH": "-1"},

@@ -43,7 +43,7 @@ def test_bad_flags(args: list[str], needle: str) -> None:
             '[[regions]]\nid = "eu-west"\ngeo = "eu"\nbackups = ["mars-1"]\n',
             "unknown region 'mars-1'",
         ),
-        ('[[regions]]\nid = "EU West"\ngeo = "eu"\n', "regions.0.id"),
+        ('[[regions]]\nid = "EU West"\ngeo = "eu"\n', "regions[0].id"),
         ("[failover]\nramp = [0.5, 0.25, 1.0]\n", "increasing"),
         ("[failover]\nramp = [0.5, 0.9]\n", "end at 1.0"),
         ("[api]\nbody_timeout_s = 0\n", "api.body_timeout_s"),

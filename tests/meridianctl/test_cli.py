@@ -383,7 +383,7 @@ def test_a_bad_token_hash_stops_the_controller_naming_the_field(tmp_path: Path) 
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "api.tokens.0.sha256" in done.stderr and "64 hex digits" in done.stderr
+    assert "api.tokens[0].sha256" in done.stderr and "64 hex digits" in done.stderr
 
 
 def test_a_timeout_that_is_not_positive_is_a_usage_error() -> None:

@@ -1,0 +1,1 @@
+"""The deployable artefacts under deploy/ (make test-deploy; marker ``deploy``)."""
