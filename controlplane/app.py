@@ -8,6 +8,10 @@ leader key.  Every replica serves two ports with one set of handlers (``api.rout
   a write here is answered 405 with a pointer to the admin port;
 * ``api.port`` (``api.server.serving``, when set): the whole admin API, writes included, over
   TLS when ``api.tls`` is set.
+
+``GET /metrics`` on ``server.port`` is the replica's metrics (``controlplane.observability``):
+the port for supervisors and monitoring, with no token, like ``/health``; the admin port has
+none.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 import meridian_etcd as etcd
+from controlplane.api import actions
 from controlplane.api import server as admin
 from controlplane.dns import steering
 from controlplane.election import Election
+from controlplane.observability import ControllerMetrics
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from meridian_service.clock import Clock, WallClock
@@ -41,6 +48,8 @@ class Controller:
     window_etcd_ok: bool = True  # the leader's window loop: did its last pass reach etcd
     passes: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    dns: steering.DnsStats = field(default_factory=steering.DnsStats)  # across leaderships
+    metrics: ControllerMetrics | None = None
 
     @property
     def etcd_ok(self) -> bool:
@@ -59,7 +68,7 @@ class Controller:
         steering (``controlplane/dns``) runs beside the loop and is poked after every pass.
         """
         async with steering.steering(
-            self.settings, store=self.store, fence=fence, clock=self.clock
+            self.settings, store=self.store, fence=fence, clock=self.clock, stats=self.dns
         ) as dns:
             await self._windows(fence, dns)
 
@@ -67,8 +76,11 @@ class Controller:
         window_s = self.settings.failover.window_s
         judge = False
         freshness = windows.Freshness()  # what this leadership has seen change
+        metrics = self.metrics
+        planned: float | None = None  # monotonic time this pass should have started
         while True:
             started = self.clock.now()
+            began = time.monotonic()
             try:
                 self.last_pass = await windows.reconcile_once(
                     store=self.store,
@@ -77,8 +89,14 @@ class Controller:
                     clock=self.clock,
                     judge=judge,
                     freshness=freshness,
+                    on_commit=metrics.committed if metrics is not None else None,
                 )
                 self.passes += 1
+                if metrics is not None:
+                    metrics.window(
+                        duration_s=time.monotonic() - began,
+                        lateness_s=0.0 if planned is None else began - planned,
+                    )
                 if not self.window_etcd_ok:
                     log.warning("etcd reachable again: a grace window, then judging resumes")
                 self.window_etcd_ok = True
@@ -89,6 +107,7 @@ class Controller:
                     log.warning("etcd unavailable: changing nothing (fail static) error=%s", exc)
                 self.window_etcd_ok = False
                 judge = False
+                planned = None  # the retry is no window: lateness counts from the next one
                 await asyncio.sleep(min(1.0, window_s))
                 continue
             except etcd.Fenced:
@@ -97,6 +116,7 @@ class Controller:
             elapsed = self.clock.now() - started
             # the admin API's policies may change the window: the pass says when to look again
             next_s = self.last_pass.recheck_after_s if self.last_pass else window_s
+            planned = began + max(0.0, next_s - elapsed)
             await asyncio.sleep(max(0.0, next_s - elapsed))
 
 
@@ -110,14 +130,36 @@ def create_app(settings: ControllerSettings, *, clock: Clock | None = None) -> w
         store=store, identity=settings.election.id, ttl_s=settings.election.lease_ttl_s, clock=clock
     )
     controller = Controller(settings=settings, clock=clock, store=store, election=election)
-    api = admin.AdminApi(replica=controller)
+    metrics = controller.metrics = ControllerMetrics(
+        leading=lambda: election.leading,
+        etcd_ok=lambda: controller.etcd_ok,
+        etcd_failures=store.failures,
+        elections=election.elections,
+        dns=controller.dns,
+        otel=settings.otel,
+        instance=settings.election.id,
+    )
+    api = admin.AdminApi(
+        replica=controller,
+        hooks=actions.Hooks(action=metrics.action, committed=metrics.committed),
+    )
     app = web.Application(middlewares=[admin.problems], client_max_size=admin.MAX_BODY_BYTES)
     app[CONTROLLER] = controller
     app[admin.ADMIN_API] = api
     admin.add_routes(app, read_only=True)
+    app.router.add_get("/metrics", _metrics)
     app.cleanup_ctx.append(_background)
     app.cleanup_ctx.append(admin.serving(api))
     return app
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[CONTROLLER].metrics
+    assert metrics is not None  # create_app sets it
+    return web.Response(
+        body=metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
@@ -137,3 +179,5 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await controller.store.close()
+    if controller.metrics is not None:
+        await asyncio.to_thread(controller.metrics.shutdown)  # an OTLP flush: off the loop

@@ -7,7 +7,8 @@ meridian-controller dns bind-config [--config FILE] [--zone-dir DIR]
                     print the named.conf fragments for the [dns] settings (docs/dns.md)
 meridian-controller etcd bootstrap [--config FILE] [--region ID ...] [--root-password-file F]
                     [--password-dir DIR] [--dry-run] ...
-                    etcd's roles, users and auth for least privilege (docs/security-etcd.md)
+                    etcd's roles, users and auth for least privilege
+                    (docs/security.md#etcd-tls-users-and-roles)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,11 +27,12 @@ import pydantic
 import meridian_etcd
 from controlplane import access
 from controlplane import settings as controller_settings
+from controlplane.api import server as admin_server
 from controlplane.app import create_app
 from controlplane.dns import bindconf
 from meridian_etcd import security
-from meridian_service import logs, serving, version
-from meridian_service.tls import TlsError
+from meridian_service import checkconfig, logs, serving, version
+from meridian_service.tls import TlsError, client_context
 
 log = logging.getLogger("meridian.controller")
 
@@ -43,7 +46,8 @@ commands:
   meridian-controller etcd bootstrap [--config FILE] [--region ID ...] [--dry-run]
                                   create etcd's roles and users (one per region, the
                                   controller's, root) and enable auth, idempotently
-                                  (docs/security-etcd.md); meridian-controller etcd --help
+                                  (docs/security.md#etcd-tls-users-and-roles);
+                                  meridian-controller etcd --help
 """
 
 
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port", type=int, help="serve the admin API on this port; 0 picks one (api.port)"
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    checkconfig.add_flags(p, prog="meridian-controller")
     version.add_flag(p)
     return p
 
@@ -118,11 +123,7 @@ async def _serve(settings: controller_settings.ControllerSettings) -> None:
     )
 
 
-def _invalid(exc: pydantic.ValidationError) -> str:
-    lines = [
-        f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-    ]
-    return "meridian-controller: invalid settings:\n" + "\n".join(lines)
+ENV_PREFIX = "MERIDIAN_CONTROLLER_"
 
 
 def _load(
@@ -132,7 +133,14 @@ def _load(
     try:
         return controller_settings.load(config_file=config_file, overrides=overrides)
     except pydantic.ValidationError as exc:
-        print(_invalid(exc), file=sys.stderr)
+        lines = checkconfig.explain(
+            exc,
+            model=controller_settings.ControllerSettings,
+            config_file=config_file,
+            env_prefix=ENV_PREFIX,
+            overrides=overrides,
+        )
+        print("meridian-controller: invalid settings:", *lines, sep="\n  ", file=sys.stderr)
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-controller: {exc}", file=sys.stderr)
     return None
@@ -177,8 +185,8 @@ def etcd_main(argv: Sequence[str]) -> int:
         "(agent-<region>: its own agents' keys, its group tables, its desired state), the "
         "controller's (meridian-controller: everything under /meridian/v1/), the root user, "
         "and enable auth. Idempotent: what is already right is left alone, and a second run "
-        "changes nothing and says so (docs/security-etcd.md). etcd is reached as the [etcd] "
-        "settings say, the flags below overriding them.",
+        "changes nothing and says so (docs/security.md#etcd-tls-users-and-roles). etcd is "
+        "reached as the [etcd] settings say, the flags below overriding them.",
     )
     p.add_argument("command", choices=["bootstrap"], help="bootstrap: make etcd match")
     p.add_argument("--config", type=Path, help="TOML settings file: [etcd] and [[regions]]")
@@ -273,6 +281,42 @@ async def _bootstrap(
     return 0
 
 
+def start_checks(settings: controller_settings.ControllerSettings) -> None:
+    """What a start reads besides the settings before it serves (``--check-config`` runs the
+    same): the admin port's certificate and key, and the CA a forwarded write trusts.  Raises
+    ``ValueError`` (``TlsError``) naming the setting."""
+    if settings.api.port is not None:
+        admin_server.server_tls(settings)
+    tls = settings.api.tls
+    if tls is not None:
+        setting = "api.tls.ca_file" if tls.ca_file is not None else "api.tls.cert_file"
+        try:
+            client_context(tls.ca_file or tls.cert_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(
+                f"{setting}: {tls.ca_file or tls.cert_file} holds no usable CA certificate ({exc})"
+            ) from None
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """``--check-config FILE``: load and check as a start would, print, exit (0 or 2)."""
+    problem = checkconfig.same_file(args.config, args.check_config)
+    if problem is not None:
+        print(f"meridian-controller: {problem}", file=sys.stderr)
+        return 2
+    flags = overrides(args)
+    return checkconfig.check(
+        lambda: controller_settings.load(config_file=args.check_config, overrides=flags),
+        prog="meridian-controller",
+        config_file=args.check_config,
+        model=controller_settings.ControllerSettings,
+        env_prefix=ENV_PREFIX,
+        overrides=flags,
+        start_checks=start_checks,
+        output=args.output,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dns"]:
@@ -280,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["etcd"]:
         return etcd_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.check_config is not None:
+        return _check_config(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -288,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings is None:
         return 2
     try:
+        start_checks(settings)
         asyncio.run(_serve(settings))
     except TlsError as exc:  # api.tls names files that hold no usable certificate and key
         print(f"meridian-controller: invalid settings:\n  {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ refused by etcd itself, even before the old leader notices.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
@@ -44,6 +45,9 @@ class Election:
         self.leader: str | None = None  # who leads, as last seen
         self.etcd_ok: bool | None = None  # whether etcd answered the last call (None: not yet)
         self._kept: tuple[etcd.Lease, etcd.Fence] | None = None  # see _resume
+        # times this replica began leading: "new" (won the key) or "resumed" (kept it through
+        # an etcd outage); read by the replica's metrics
+        self.elections: collections.Counter[str] = collections.Counter()
 
     @property
     def leading(self) -> bool:
@@ -105,6 +109,7 @@ class Election:
             key=keys.LEADER, value=holder.value, create_revision=holder.create_revision
         )
         self.leader = self.identity
+        self.elections["resumed" if resumed else "new"] += 1
         log.info(
             "election: %s me=%s revision=%d ttl_s=%d",
             "leading again" if resumed else "leading", self.identity, holder.create_revision,

@@ -31,7 +31,11 @@ Every window it prints each region's judged state, strikes, weight, capacity and
 leader, the plan's eu/us shares, and what ``dig -b 127.0.0.2`` (eu) and ``dig -b 127.0.0.1``
 (us) are told: A records and SRV priority/weight; events as the controller records them.
 
-    python -m meridian_demo.fleet [--window-s 2]
+At start it prints the URL of each replica's fleet page (``/ui/`` on its admin port) and the
+tokens to paste there, to watch the same in a browser; ``--keep-open`` keeps the fleet running
+after the script, traffic and all, until Ctrl-C, to look around and try the actions.
+
+    python -m meridian_demo.fleet [--window-s 2] [--keep-open]
 """
 
 from __future__ import annotations
@@ -521,7 +525,12 @@ async def _security(fleet: Fleet, session: aiohttp.ClientSession) -> None:
     ]  # fmt: skip
     for what, cn, key in tries:
         store = meridian_etcd.Store(
-            meridian_etcd.ClientConfig(endpoints=[fleet.etcd_url], **fleet.etcd_files(cn))
+            meridian_etcd.ClientConfig(
+                endpoints=[fleet.etcd_url],
+                ca_file=fleet.etcd_files(cn)["ca_file"],
+                cert_file=fleet.etcd_files(cn)["cert_file"],
+                key_file=fleet.etcd_files(cn)["key_file"],
+            )
         )
         try:
             await store.put(key, b"{}")
@@ -566,11 +575,36 @@ async def _ctl(fleet: Fleet, token: str, *args: str) -> int:
     return code
 
 
+def _pages(fleet: Fleet) -> None:
+    """Where the fleet page is, and which token to paste there."""
+    pages = [f"{c.admin_url}/ui/ ({name})" for name, c in fleet.controllers.items() if c.admin_url]
+    if not pages:
+        return
+    print(f"  fleet page: {', '.join(pages)}")
+    print(
+        f"    paste the operator token {OPERATOR_TOKEN} (the actions) or the viewer token "
+        f"{VIEWER_TOKEN} (watch only); step 3 kills the leading replica, whose page then says "
+        "it has no answer: the other's goes on"
+    )
+
+
+async def _until_interrupted() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 def _quote(arg: str) -> str:
     return f'"{arg}"' if " " in arg else arg
 
 
-async def _run(fleet: Fleet) -> int:
+async def _run(fleet: Fleet, *, keep_open: bool = False) -> int:
     w = fleet.window_s
     stop = asyncio.Event()
     traffic = asyncio.create_task(_traffic(fleet, stop))
@@ -629,6 +663,10 @@ async def _run(fleet: Fleet) -> int:
             if row.get("state") == "healthy" and row.get("weight") == 1.0:
                 break
         await _ctl(fleet, OPERATOR_TOKEN, "audit", "--limit", "3")
+    if keep_open:
+        print("\n== the fleet keeps running (--keep-open) until Ctrl-C\n")
+        _pages(fleet)
+        await _until_interrupted()
     stop.set()
     await traffic
     print(
@@ -644,6 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--window-s", type=float, default=2.0, help="health window (seconds)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    parser.add_argument(
+        "--keep-open",
+        action="store_true",
+        help="after the script, keep the fleet running for the fleet page until Ctrl-C",
+    )
     args = parser.parse_args(argv)
     if args.window_s < 1:
         parser.error("--window-s must be at least 1")
@@ -668,7 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("ctl-a", "ctl-b"):
             fleet.start_controller(name)
             print(f"  controller {name}: {fleet.controllers[name].url}")
-        return asyncio.run(_run(fleet))
+        _pages(fleet)
+        return asyncio.run(_run(fleet, keep_open=args.keep_open))
     finally:
         fleet.stop_all()
         if args.keep_logs:

@@ -31,13 +31,19 @@ that are no etcd failure (a bug) propagate as they are.
 :class:`Fence` (the leader key's create revision and value as they were at election): if another
 replica has been elected since, nothing is written and :class:`~meridian_etcd.errors.Fenced` is
 raised, even before the old leader notices.
+
+**Counts.**  :attr:`Store.failures` counts the calls that raised, by kind (``unavailable``,
+``token_expired``, ``lease_lost``, ``fenced``, ``refused``): a call retried on another member
+that then succeeds is no failure.  The shells' metrics read it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,6 +265,7 @@ class Store:
         self._generation = 0  # bumped whenever the client is dropped
         self._closed = False
         self._answered_s = float("-inf")  # monotonic time of the last call etcd answered
+        self.failures: collections.Counter[str] = collections.Counter()  # calls that raised
 
     @property
     def endpoint(self) -> str:
@@ -330,7 +337,9 @@ class Store:
         if ok:
             return revision
         if fence is not None:
-            raise Fenced(f"{fence.key} changed: this replica's writes are fenced off")
+            raise self._counted(
+                Fenced(f"{fence.key} changed: this replica's writes are fenced off")
+            )
         return None
 
     async def claim(self, key: str, value: bytes, *, lease: Lease) -> Entry | None:
@@ -502,7 +511,7 @@ class Store:
                         continue
                     if len(self._endpoints) > 1:
                         error = _unreachable(error, self.endpoints)
-                raise error from exc
+                raise self._counted(error) from exc
             self._answered_s = time.monotonic()
             return result
 
@@ -549,7 +558,12 @@ class Store:
         error = await self._translate(what, exc, generation)
         if error is None:
             raise exc
-        raise error from exc
+        raise self._counted(error) from exc
+
+    def _counted(self, error: EtcdError) -> EtcdError:
+        """``error``, counted in :attr:`failures` by its kind (``LeaseLost``: ``lease_lost``)."""
+        self.failures[_KIND.sub("_", type(error).__name__).lower()] += 1
+        return error
 
     async def _translate(self, what: str, exc: BaseException, generation: int) -> EtcdError | None:
         """The layer's error for ``exc`` (dropping the client when the member is unavailable);
@@ -628,6 +642,9 @@ class Store:
         )
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), timeout=self._timeout_s)
+
+
+_KIND = re.compile(r"(?<=[a-z])(?=[A-Z])")
 
 
 def _entry(kv: Any) -> Entry:

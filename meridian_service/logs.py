@@ -123,3 +123,78 @@ def install(*, interval_s: float = 60.0, burst: int = 10) -> MalformedRequests:
 def uninstall(installed: MalformedRequests) -> None:
     """Remove a filter :func:`install` added (tests)."""
     logging.getLogger(SERVER_LOGGER).removeFilter(installed)
+
+
+# -- OTLP export problems ----------------------------------------------------------------------
+
+# The loggers of OpenTelemetry's OTLP exporters and of the SDK's batching and periodic readers:
+# each logs every failed export (a collector down: one line per batch and one per retry, with
+# a traceback now and then) and the span processor a line per span dropped from a full queue.
+EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp",
+    "opentelemetry.exporter.http",
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.metrics._internal.export",
+    "opentelemetry.sdk.trace.export",
+)
+
+
+class OncePerInterval(logging.Filter):
+    """Lets one record through per ``interval_s`` of all the loggers it is on together, as
+    one line (an exception becomes ``(Type: message)``, no traceback), and counts the others:
+    the next line it lets through says how many it left out.  ``clock`` is for tests."""
+
+    def __init__(
+        self, *, what: str, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.what = what
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = float("-inf")
+        self.dropped = 0  # since the last line let through
+        self.dropped_total = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now - self._last < self.interval_s:
+            self.dropped += 1
+            self.dropped_total += 1
+            return False
+        self._last = now
+        text = record.getMessage()
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            text += f" ({type(exc).__name__}: {exc})"
+        more = (
+            f"; {self.dropped} more {self.what} lines not logged in the last {self.interval_s:g}s"
+            if self.dropped
+            else ""
+        )
+        self.dropped = 0
+        record.msg = "%s: %s%s"
+        flat = " ".join(text.split())
+        record.args = (self.what, flat if len(flat) <= 400 else flat[:397] + "...", more)
+        record.exc_info = None
+        record.exc_text = None
+        record.stack_info = None
+        return True
+
+
+_export_filter: OncePerInterval | None = None
+
+
+def install_export_filter(*, interval_s: float = 60.0) -> OncePerInterval:
+    """One :class:`OncePerInterval` (``OTLP export``) for the whole process, on every logger
+    created so far under :data:`EXPORT_LOGGERS` (a logger's filters see only its own records,
+    so each one gets it); call it again after importing an exporter to cover its loggers."""
+    global _export_filter
+    if _export_filter is None:
+        _export_filter = OncePerInterval(what="OTLP export", interval_s=interval_s)
+    names = [*EXPORT_LOGGERS, *logging.Logger.manager.loggerDict]
+    for name in names:
+        if any(name == p or name.startswith(p + ".") for p in EXPORT_LOGGERS):
+            logger = logging.getLogger(name)
+            if _export_filter not in logger.filters:
+                logger.addFilter(_export_filter)
+    return _export_filter

@@ -2,6 +2,7 @@
 
 meridian-sim node --port 8001 --profile h100-llama3-8b [--model NAME] [--time-scale X]
                   [--seed N] [--host 127.0.0.1] [--legacy-metrics]
+                  [--otlp-traces-endpoint URL]
 meridian-sim profiles
 meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
                    [--agents-per-region A] [--scrape-interval-s S] [--profile NAME]
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meridian_service import hygiene, serving, version
-from meridian_sim import fleet, node, profile, workloads
+from meridian_sim import fleet, node, profile, tracing, workloads
 from policies import routing
 
 log = logging.getLogger("meridian.sim")
@@ -100,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--legacy-metrics",
         action="store_true",
         help="also emit pre-0.10 vLLM names (vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_*)",
+    )
+    n.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export an llm_request span per request over OTLP, as vLLM's flag does: "
+        "http://collector:4318/v1/traces (http/protobuf, the default) or "
+        "http://collector:4317 with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc",
     )
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("profiles", help="list the built-in GPU profiles")
@@ -281,12 +289,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except profile.ProfileError as exc:
         print(f"meridian-sim: {exc}", file=sys.stderr)
         return 2
+    try:
+        protocol = tracing.protocol_from_env()
+        if args.otlp_traces_endpoint is not None:
+            tracing.check_endpoint(args.otlp_traces_endpoint)
+    except ValueError as exc:
+        print(f"meridian-sim: {exc}", file=sys.stderr)
+        return 2
     config = node.NodeConfig(
         profile=prof,
         model=args.model or prof.model,
         time_scale=args.time_scale,
         seed=args.seed,
         legacy_metrics=args.legacy_metrics,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_protocol=protocol,
     )
     try:
         asyncio.run(_serve(config, args.host, args.port))

@@ -24,14 +24,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from aiohttp import web
+from opentelemetry.trace import Span
 
 from meridian_sim.engine import Engine, RequestRecord, RequestTooLarge, TokenEvent
 from meridian_sim.faults import FaultError, Faults
 from meridian_sim.metrics import CONTENT_TYPE, NodeMetrics
 from meridian_sim.profile import Profile
+from meridian_sim.tracing import NodeTracing
 from policies import prompt
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ class NodeConfig:
     time_scale: float = 1.0
     seed: int = 0
     legacy_metrics: bool = False
+    # OTLP tracing as vLLM's --otlp-traces-endpoint (meridian_sim.tracing); None: no spans
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
 
 
 class ApiError(Exception):
@@ -98,6 +103,7 @@ class NodeState:
     clock: SimClock
     faults: Faults
     exit_hook: Callable[[], None]
+    tracing: NodeTracing | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     streams: dict[str, asyncio.Queue[TokenEvent | RequestRecord]] = field(default_factory=dict)
     steps: int = 0
@@ -145,6 +151,10 @@ def create_app(
         faults=Faults(rng=random.Random(config.seed ^ 0x5EED)),
         exit_hook=exit_hook,
     )
+    if config.otlp_traces_endpoint is not None:
+        state.tracing = NodeTracing(
+            config.otlp_traces_endpoint, protocol=config.otlp_traces_protocol, model=config.model
+        )
     app = web.Application(middlewares=[_errors_middleware], client_max_size=32 * 1024**2)
     app[STATE] = state
     app.router.add_get("/health", health)
@@ -172,6 +182,8 @@ async def _engine_task(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if state.tracing is not None:
+        await asyncio.to_thread(state.tracing.shutdown)  # the last spans: off the event loop
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -486,6 +498,12 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     arrival_s = state.now()
+    span = None
+    if state.tracing is not None:  # vLLM's llm_request span, under the caller's traceparent
+        span = state.tracing.start(
+            request.headers, request_id=request_id, max_tokens=call.max_tokens
+        )
+    record: RequestRecord | None = None
     overhead_ms = state.config.profile.timing.request_overhead_ms
     if overhead_ms > 0:  # the API server's and the engine hop's share of TTFT (profile.py)
         await asyncio.sleep(overhead_ms / 1000.0 / state.config.time_scale)
@@ -504,9 +522,9 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     done = False
     try:
         if call.stream:
-            response = await _stream(request, state, call, request_id, queue)
+            response, record = await _stream(request, state, call, request_id, queue)
         else:
-            response = await _collect(request, state, call, request_id, queue)
+            response, record = await _collect(request, state, call, request_id, queue)
         done = True
         return response
     except _Dropped:
@@ -519,6 +537,26 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
             if record is not None:
                 state.wake.set()
                 log.info("request aborted request_id=%s reason=connection-closed", request_id)
+        if span is not None:
+            _end_span(span, record, aborted=not done)
+
+
+def _end_span(span: Span, record: RequestRecord | None, *, aborted: bool) -> None:
+    """The request's tokens and the simulated GPU's latencies, as vLLM reports them."""
+    if record is None:
+        NodeTracing.finish(span, error="aborted" if aborted else None)
+        return
+    first = record.first_token_s
+    scheduled = record.first_scheduled_s
+    NodeTracing.finish(
+        span,
+        prompt_tokens=record.prompt_tokens,
+        completion_tokens=record.generation_tokens,
+        time_in_queue_s=None if scheduled is None else max(0.0, scheduled - record.queued_s),
+        time_to_first_token_s=None if first is None else max(0.0, first - record.arrival_s),
+        e2e_s=max(0.0, record.finished_s - record.arrival_s),
+        error="aborted" if aborted else None,
+    )
 
 
 async def _collect(
@@ -527,7 +565,7 @@ async def _collect(
     call: _Call,
     request_id: str,
     queue: asyncio.Queue[TokenEvent | RequestRecord],
-) -> web.StreamResponse:
+) -> tuple[web.StreamResponse, RequestRecord]:
     texts: list[str] = []
     finish_reason = "stop"
     drop_after = state.faults.drop_after_tokens
@@ -559,7 +597,7 @@ async def _collect(
             "finish_reason": finish_reason,
             "stop_reason": None,
         }
-    return web.json_response(
+    answer = web.json_response(
         {
             "id": request_id,
             "object": "chat.completion" if call.chat else "text_completion",
@@ -569,6 +607,7 @@ async def _collect(
             "usage": _usage(item),
         }
     )
+    return answer, item
 
 
 async def _stream(
@@ -577,7 +616,7 @@ async def _stream(
     call: _Call,
     request_id: str,
     queue: asyncio.Queue[TokenEvent | RequestRecord],
-) -> web.StreamResponse:
+) -> tuple[web.StreamResponse, RequestRecord]:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -646,7 +685,7 @@ async def _stream(
         await send([], usage=_usage(item))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
-    return response
+    return response, item
 
 
 # -- serving -----------------------------------------------------------------------------------

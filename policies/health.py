@@ -126,13 +126,16 @@ class HealthConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Change:
     """What happened to a node and why.  ``before == after`` when an ejection was refused by
-    the cap: nothing moved, but the shell should say so once."""
+    the cap: nothing moved, but the shell should say so once.  ``cause`` of a node taken out of
+    rotation: ``errors`` (consecutive failed requests), ``probation`` (a request failed on
+    probation), ``latency`` (a latency outlier), ``probes`` (failed active probes); else ``""``."""
 
     node_id: NodeId
     before: Health
     after: Health
     reason: str
     at: float
+    cause: str = ""
 
     @property
     def changed(self) -> bool:
@@ -357,7 +360,8 @@ class NodeHealth:
                 self._down = True
                 self._failures = 0
                 suffix = f" ({detail})" if detail else ""
-                self._add(changes, now, f"{self._probe_failures} consecutive failed probes{suffix}")
+                reason = f"{self._probe_failures} consecutive failed probes{suffix}"
+                self._add(changes, now, reason, cause="probes")
         return changes
 
     def on_result(
@@ -381,7 +385,8 @@ class NodeHealth:
             return changes
         self._failures += 1
         if state is Health.PROBATION:
-            self._eject(changes, now, "a request failed in probation", "errors", may_eject)
+            why = "a request failed in probation"
+            self._eject(changes, now, why, "errors", may_eject, cause="probation")
         elif self._failures >= self.config.eject_consecutive_errors:
             reason = f"{self._failures} consecutive failed requests"
             self._eject(changes, now, reason, "errors", may_eject)
@@ -403,7 +408,14 @@ class NodeHealth:
     # -- internals -----------------------------------------------------------------------------
 
     def _eject(
-        self, changes: list[Change], now: float, why: str, kind: _SpareKind, allowed: bool
+        self,
+        changes: list[Change],
+        now: float,
+        why: str,
+        kind: _SpareKind,
+        allowed: bool,
+        *,
+        cause: str | None = None,
     ) -> None:
         if not allowed:
             if self._spared is None:
@@ -427,20 +439,20 @@ class NodeHealth:
         self._ejected_at = now
         self._ejected_until = now + duration_s
         self._failures = 0
-        self._add(changes, now, f"{why}; ejection #{n} for {duration_s:g} s")
+        self._add(changes, now, f"{why}; ejection #{n} for {duration_s:g} s", cause=cause or kind)
 
     def _timed_reason(self) -> str:
         ejected_s = (self._ejected_until or 0.0) - (self._ejected_at or 0.0)
         return f"ejection over after {ejected_s:g} s: half-open, one request at a time"
 
-    def _add(self, changes: list[Change], now: float, reason: str) -> None:
-        change = self._commit(now, reason, at=now)
+    def _add(self, changes: list[Change], now: float, reason: str, *, cause: str = "") -> None:
+        change = self._commit(now, reason, at=now, cause=cause)
         if change is not None:
             changes.append(change)
         else:
             self._reason = reason  # e.g. probes back while still ejected: keep the story current
 
-    def _commit(self, now: float, reason: str, *, at: float) -> Change | None:
+    def _commit(self, now: float, reason: str, *, at: float, cause: str = "") -> Change | None:
         before, after = self._state, self.state(now)
         if after is before:
             return None
@@ -451,7 +463,9 @@ class NodeHealth:
         elif before is not Health.HEALTHY:
             self._healthy_since = at
             self._forgive_from = at
-        return Change(node_id=self.node_id, before=before, after=after, reason=reason, at=at)
+        return Change(
+            node_id=self.node_id, before=before, after=after, reason=reason, at=at, cause=cause
+        )
 
 
 # -- a pool of nodes ---------------------------------------------------------------------------

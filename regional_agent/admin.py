@@ -3,7 +3,7 @@
 hash is kept, ``AdminSettings.verify``).
 
 =======  ===============================  ===================================================
-GET      /admin/nodes                     every node: state, load, telemetry, health, reasons
+GET      /admin/nodes                     every node: source, state, load, telemetry, health
 POST     /admin/nodes                     add a node: ``{"url": ..., "id"?, "weight"?, "slots"?}``
 DELETE   /admin/nodes/{id}                remove a node (in-flight requests finish)
 POST     /admin/nodes/{id}/drain          no new requests; in-flight ones finish (drain timeout)
@@ -94,6 +94,7 @@ def describe(agent: Edge, node: Node) -> dict[str, Any]:
         "weight": node.weight,
         "slots": node.slots,
         "group": node.group or node.node_id,
+        "source": node.source,
         "in_flight": node.in_flight,
         "in_flight_tokens": node.in_flight_tokens,
         "prefill_tokens": node.prefill_tokens,
@@ -134,7 +135,7 @@ async def add_node(request: web.Request) -> web.Response:
         raise BadRequest(f"invalid node: {problems}") from exc
     if settings.node_id in agent.pool:
         raise Conflict(f"node {settings.node_id!r} already exists")
-    node = await agent.roster.add(agent.roster.make(settings))
+    node = await agent.roster.add(agent.roster.make(settings, source="admin"))
     log.info(
         "node added node=%s url=%s models=%s", node.node_id, node.url, ",".join(sorted(node.models))
     )

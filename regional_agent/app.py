@@ -7,11 +7,13 @@
 ``publisher``         with region.id and region.etcd: liveness, status, desired state, and the
                       group tables' sync; app key PUBLISHER
 ``autoscaler``        unless autoscaler.actuator is "none"; app key AUTOSCALER
+``discovery``         with [[discovery.dns]] names: nodes from DNS; app key DISCOVERY
 ====================  ==========================================================================
 
 Background tasks (telemetry scrapes, health probes, model discovery, drain supervision; with a
 keys file, its change check; with a region and etcd set, the publisher's liveness, status,
-desired-state and replica loops; with an actuator set, the autoscaler) start from
+desired-state and replica loops; with an actuator set, the autoscaler; one DNS discovery loop
+per name) start from
 ``cleanup_ctx`` through one guard that logs a crash, and stop with the app.
 
 ``reload_on_signal(app)`` is what SIGHUP does to a serving agent (``meridian-agent`` installs
@@ -21,7 +23,9 @@ it): the keys file is read again, and the TLS certificates too (``meridian_servi
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -38,6 +42,7 @@ from policies.groups import GroupId
 from policies.model import AdminState
 from regional_agent import admin, autoscaler
 from regional_agent.autoscaler import Autoscaler
+from regional_agent.discovery import Discovery
 from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import (
     AgentError,
@@ -53,6 +58,7 @@ from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.proxy import handlers
 from regional_agent.publisher import Publisher
+from regional_agent.publisher.publisher import default_agent_id
 from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff, supervise
 from regional_agent.roster import Roster, make_node
@@ -66,6 +72,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PUBLISHER = web.AppKey("publisher", Publisher)
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
+DISCOVERY = web.AppKey("discovery", Discovery)
 _RNG = web.AppKey("rng", random.Random)  # the background loops' backoff jitter
 
 
@@ -117,9 +124,18 @@ def create_app(
     )
     instruments = Instruments(
         console_spans=settings.otel.console_spans,
+        otel=settings.otel,
+        instance=settings.region.agent_id or default_agent_id(),
         queue_depths=lambda: {m: dispatcher.depth(m) for m in pool.models()},
         in_flight=lambda: {n.node_id: n.in_flight for n in pool},
         panic=lambda: pool.panic(now=clock.now()).active,
+        nodes_by_source=lambda: collections.Counter(n.source for n in pool),
+        region=settings.region.id,
+        served_models=pool.models,
+        node_states=lambda: {
+            n.node_id: monitor.state(n.node_id, now=clock.now()).value for n in pool
+        },
+        ejections=monitor.ejections,
     )
     edge = Edge(
         settings=settings,
@@ -151,6 +167,10 @@ def create_app(
     )
     if scaler is not None:
         app[AUTOSCALER] = scaler
+    if settings.discovery.dns:
+        app[DISCOVERY] = Discovery(
+            settings.discovery.dns, pool=pool, roster=roster, instruments=instruments, clock=clock
+        )
     if settings.region.publishing:
         app[PUBLISHER] = Publisher(
             store=etcd.Store(settings.region.etcd_client()),
@@ -278,6 +298,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         supervised("keys-file", edge.tenants.watch_loop)
     if scaler is not None:
         supervised("autoscaler", scaler.run)
+    discovery = app.get(DISCOVERY)
+    if discovery is not None:
+        for name in discovery.names:
+            supervised(f"discovery-{name}", functools.partial(discovery.run, name))
     if publisher is not None:
         supervised("replicas", publisher.replicas_loop)
         supervised("alive", publisher.alive_loop)
@@ -298,7 +322,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         await scaler.close()
     await edge.client.close()
     edge.close()
-    edge.instruments.shutdown()
+    await asyncio.to_thread(edge.instruments.shutdown)  # an OTLP flush: off the event loop
 
 
 def _announce_tenants(edge: Edge) -> None:

@@ -37,8 +37,7 @@ from typing import Any
 
 import pydantic
 
-from meridian_service import logs, serving, version
-from meridian_service import settings as settings_loading
+from meridian_service import checkconfig, logs, serving, version
 from meridian_service.tls import ServerTls, TlsError
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app, reload_on_signal
@@ -54,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="TCP port; 0 picks a free one (server.port)")
     p.add_argument(
         "--node", action="append", default=[], metavar="URL", help="a node's base URL (repeat)"
+    )
+    p.add_argument(
+        "--discover-dns",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="nodes from NAME's A records, each at PORT, re-resolved (discovery.dns; repeat)",
+    )
+    p.add_argument(
+        "--discover-srv",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="nodes from NAME's SRV records: each target at its port (discovery.dns; repeat)",
     )
     p.add_argument("--policy", help="routing policy (routing.policy)")
     # Gone: a token in argv is readable by every user of the host.  Kept only to say so.
@@ -83,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to do with the controller's capacity floor (autoscaler.actuator)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    checkconfig.add_flags(p, prog="meridian-agent")
     version.add_flag(p)
     return p
 
@@ -94,6 +108,15 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["server"] = server
     if args.node:
         out["nodes"] = [{"url": url} for url in args.node]
+    discovered: list[dict[str, Any]] = []
+    for spec in args.discover_dns:
+        name, _, port = spec.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"--discover-dns {spec!r}: write NAME:PORT, e.g. vllm.ns.svc.:8000")
+        discovered.append({"name": name, "record": "A", "port": int(port)})
+    discovered += [{"name": name, "record": "SRV"} for name in args.discover_srv]
+    if discovered:
+        out["discovery"] = {"dns": discovered}
     if args.policy is not None:
         out["routing"] = {"policy": args.policy}
     region: dict[str, Any] = {}
@@ -187,22 +210,54 @@ def key_main(argv: Sequence[str]) -> int:
     return 0
 
 
+NO_NODES = (
+    "no nodes: pass --node URL (repeat) or set [[nodes]] in the config file, find them in DNS "
+    "(--discover-dns NAME:PORT, --discover-srv NAME, or [[discovery.dns]]), or let the "
+    "simulator actuator start them (--region, --etcd, --actuator simulator)"
+)
+
+
+def start_checks(settings: agent_settings.Settings) -> ServerTls | None:
+    """What a start checks once the settings are loaded, before it listens (``--check-config``
+    runs the same): the TLS pair loads, and there are nodes to route to.  Returns the listener's
+    TLS; raises ``ValueError`` (``TlsError``) naming the setting."""
+    tls = settings.server.tls()
+    autoscaled = settings.region.publishing and settings.autoscaler.actuator == "simulator"
+    if not settings.nodes and not settings.discovery.dns and not autoscaled:
+        raise ValueError(NO_NODES)
+    return tls
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given[:1] == ["key"]:
         return key_main(given[1:])
     args = build_parser().parse_args(given)
+    if args.admin_token is not None:
+        print(NO_TOKEN_FLAG, file=sys.stderr)
+        return 2
+    if args.check_config is not None:
+        return _check_config(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     logs.install()  # a malformed HTTP request: one short line, rate-limited, not a traceback
-    if args.admin_token is not None:
-        print(NO_TOKEN_FLAG, file=sys.stderr)
+    try:
+        flags = overrides(args)
+    except ValueError as exc:
+        print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
-        settings = agent_settings.load(config_file=args.config, overrides=overrides(args))
+        settings = agent_settings.load(config_file=args.config, overrides=flags)
     except pydantic.ValidationError as exc:
-        print(f"meridian-agent: {settings_loading.explain(exc)}", file=sys.stderr)
+        lines = checkconfig.explain(
+            exc,
+            model=agent_settings.Settings,
+            config_file=args.config,
+            env_prefix=ENV_PREFIX,
+            overrides=flags,
+        )
+        print("meridian-agent: invalid settings:", *lines, sep="\n  ", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
@@ -210,17 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         _forget_secret_env()
     try:
-        tls = settings.server.tls()
+        tls = start_checks(settings)
     except TlsError as exc:
         print(f"meridian-agent: invalid settings:\n  {exc}", file=sys.stderr)
         return 2
-    autoscaled = settings.region.publishing and settings.autoscaler.actuator == "simulator"
-    if not settings.nodes and not autoscaled:
-        print(
-            "meridian-agent: no nodes: pass --node URL (repeat) or set nodes in --config "
-            "(or let the simulator actuator start them: --region, --etcd, --actuator simulator)",
-            file=sys.stderr,
-        )
+    except ValueError as exc:
+        print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve(settings, tls))
@@ -232,6 +282,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+ENV_PREFIX = "MERIDIAN_AGENT_"
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """``--check-config FILE``: load and check as a start would, print, exit (0 or 2)."""
+    problem = checkconfig.same_file(args.config, args.check_config)
+    if problem is not None:
+        print(f"meridian-agent: {problem}", file=sys.stderr)
+        return 2
+    try:
+        flags = overrides(args)
+    except ValueError as exc:
+        print(f"meridian-agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return checkconfig.check(
+            lambda: agent_settings.load(config_file=args.check_config, overrides=flags),
+            prog="meridian-agent",
+            config_file=args.check_config,
+            model=agent_settings.Settings,
+            env_prefix=ENV_PREFIX,
+            overrides=flags,
+            start_checks=start_checks,
+            output=args.output,
+        )
+    finally:
+        _forget_secret_env()
 
 
 if __name__ == "__main__":

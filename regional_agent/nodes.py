@@ -42,6 +42,7 @@ class Node:
     weight: float = 1.0
     slots: int = 64
     group: str | None = None  # GPU group for the groups policy; None: the node is its own group
+    source: str = "static"  # who added it: static, admin, autoscaler, dns:<name> (discovery)
     models: frozenset[str] = frozenset()
     admin: AdminState = AdminState.ACTIVE
     drain_started_s: float | None = None

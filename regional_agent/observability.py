@@ -10,13 +10,30 @@ Metrics (Prometheus names):
 - ``meridian_agent_routing_decisions_total{policy, reason}``: routing decisions by the first
   word of the policy's reason (``prefix``, ``least-load``, ...);
 - ``meridian_agent_retries_total{cause}``: attempts retried on another node;
-- ``meridian_agent_time_to_first_token_seconds``: from arrival at the agent to the first byte
-  relayed to the client (streams only), the time the client sees;
-- ``meridian_agent_queue_wait_seconds``: time in the central queue;
+- ``meridian_agent_time_to_first_token_seconds{region, model}``: from arrival at the agent to
+  the first byte relayed to the client (streams only), the time the client sees;
+- ``meridian_agent_request_duration_seconds{region, model}``: from arrival to the last byte;
+- ``meridian_agent_prompt_tokens_total{region, model}`` and
+  ``meridian_agent_generated_tokens_total{region, model}``: the node's usage when it reports
+  it, else the agent's count (:class:`RequestMetrics`);
+- ``meridian_agent_queue_wait_seconds{region, priority}``: time in the central queue, by
+  priority class (``high``, ``normal``, ``low``);
+- ``meridian_agent_node_state{node, state}`` (1 for the node's health state, 0 for the others)
+  and ``meridian_agent_node_ejections_total{cause}``: nodes taken out of rotation (``errors``,
+  ``probation``, ``latency``, ``probes``);
+- ``meridian_agent_build_info{version, region}``: 1.
+
+``region`` is ``region.id`` (absent when unset).  ``model`` is the model the request names when
+a node of the pool serves it, else ``other``: a name a client makes up never becomes a series.
 - ``meridian_agent_queue_depth{model}`` and ``meridian_agent_node_in_flight{node}``: gauges;
 - ``meridian_agent_etcd_writes_total{kind}`` and ``meridian_agent_etcd_connected``: what the
   publisher wrote to etcd (``alive``, ``status``) and whether etcd answers now (1/0; absent
-  when the agent does not publish).
+  when the agent does not publish);
+- ``meridian_agent_nodes{source}``: nodes in the pool by who added them (``static``, ``admin``,
+  ``autoscaler``, ``dns:<name>``);
+- ``meridian_agent_discovery_failures_total{source, cause}``: DNS discovery's resolutions that
+  failed (``timeout``, ``servfail``, ``refused``, ``error``) or came back empty (``nxdomain``,
+  ``nodata``); the nodes found last stay (regional_agent.discovery).
 
 :class:`RequestTotals` keeps plain running totals (requests finished and failed, time to first
 token in fixed log-spaced buckets) that the publisher differences over its window to report the
@@ -26,6 +43,7 @@ region's load: two integer increments per request, nothing logged, nothing sent 
 from __future__ import annotations
 
 import bisect
+import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,12 +51,16 @@ from dataclasses import dataclass, field
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, generate_latest
+
+from meridian_service import otlp, version
+from policies import admission, prompt
+from policies.model import Health
 
 _LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -48,6 +70,84 @@ _LATENCY_BUCKETS_S = (
 # by 25 % a bucket up to about 9 minutes, then one overflow bucket.  A quantile read from them
 # is within 25 % of the true one, whatever the scale.
 TTFT_BOUNDS_S: tuple[float, ...] = tuple(0.001 * 1.25**k for k in range(60))
+
+OTHER_MODEL = "other"  # the model label of a request for a model no node serves
+_PRIORITY_NAMES = {v: k for k, v in admission.PRIORITIES.items()}
+_HEALTH_STATES = tuple(h.value for h in Health)
+_USAGE_TAIL_MAX = 64 * 1024  # bytes of a stream kept from the last chunk that names usage
+
+
+class RequestMetrics:
+    """One request's facts for the metrics: its ``model`` label and its tokens.
+
+    Tokens come from the node's ``usage`` when it reports it (always for a non-streamed vLLM
+    answer; in a stream's last chunk with ``stream_options.include_usage``, or in every chunk
+    with vLLM's continuous usage stats).  Otherwise the prompt's are the agent's own count and
+    a stream's generated ones are counted as one per choice event that is not the role
+    announcement (vLLM sends one token per event unless ``--stream-interval`` batches them).
+    The stream is scanned, not parsed: two byte counts a chunk, and only the tail from the last
+    chunk that names ``usage`` is parsed, once, at the end."""
+
+    __slots__ = ("_choices", "_stream", "_tail", "generated", "model", "prompt", "started")
+
+    def __init__(self, *, model: str, prompt_tokens: int) -> None:
+        self.model = model
+        self.prompt = prompt_tokens
+        self.generated = 0
+        self.started = False  # a node's answer was relayed (its tokens count)
+        self._choices = 0
+        self._stream = False
+        self._tail: bytes | None = None
+
+    def body(self, answer: object) -> None:
+        """A non-streamed answer, parsed."""
+        self.started = True
+        if self._usage(answer):
+            return
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        for choice in choices if isinstance(choices, list) else ():
+            message = choice.get("message") if isinstance(choice, dict) else None
+            text = message.get("content") if isinstance(message, dict) else None
+            if text is None and isinstance(choice, dict):
+                text = choice.get("text")
+            if isinstance(text, str) and text:
+                self.generated += prompt.count_tokens(text)
+
+    def chunk(self, data: bytes) -> None:
+        """A stream's bytes, as relayed."""
+        self.started = self._stream = True
+        self._choices += data.count(b'"finish_reason"') - data.count(b'"role"')
+        if b'"usage"' in data:
+            self._tail = data
+        elif self._tail is not None and len(self._tail) < _USAGE_TAIL_MAX:
+            self._tail += data
+
+    def finish(self) -> None:
+        """The request ended: a stream's tokens are its last usage, else the count."""
+        if not self._stream:
+            return
+        self._stream = False
+        if self._tail is not None:
+            for line in reversed(self._tail.split(b"\n")):
+                line = line.strip()
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    try:
+                        event = json.loads(line[5:])
+                    except (ValueError, UnicodeDecodeError):
+                        continue
+                    if self._usage(event):
+                        return
+        self.generated = max(0, self._choices)
+
+    def _usage(self, answer: object) -> bool:
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        prompt_tokens, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt_tokens) is not int or type(generated) is not int:
+            return False  # null (a stream's chunks before the last), or not a count
+        self.prompt, self.generated = max(0, prompt_tokens), max(0, generated)
+        return True
 
 
 @dataclass(slots=True)
@@ -90,8 +190,21 @@ class Instruments:
         queue_depths: Callable[[], Mapping[str, int]],
         in_flight: Callable[[], Mapping[str, int]],
         panic: Callable[[], bool] | None = None,
+        nodes_by_source: Callable[[], Mapping[str, int]] | None = None,
+        region: str | None = None,
+        served_models: Callable[[], frozenset[str]] | None = None,
+        node_states: Callable[[], Mapping[str, str]] | None = None,
+        ejections: Mapping[str, int] | None = None,
+        otel: otlp.OtlpSettings | None = None,
+        instance: str | None = None,
     ) -> None:
-        resource = Resource.create({"service.name": "meridian-agent"})
+        otel = otel or otlp.OtlpSettings()
+        resource = otlp.resource(
+            otel, service="meridian-agent", instance=instance or "meridian-agent", region=region
+        )
+        # OTLP export (docs/observability.md#otlp): a periodic metric reader beside the
+        # Prometheus one and a batch span processor, each only when asked for
+        self.export = otlp.Export(otel, what="meridian-agent") if otel.endpoint else None
         self.registry = CollectorRegistry()
         reader = PrometheusMetricReader(disable_target_info=True, registry=self.registry)
         views = [
@@ -99,9 +212,16 @@ class Instruments:
                 instrument_name=name,
                 aggregation=ExplicitBucketHistogramAggregation(boundaries=_LATENCY_BUCKETS_S),
             )
-            for name in ("meridian_agent_time_to_first_token", "meridian_agent_queue_wait")
+            for name in (
+                "meridian_agent_time_to_first_token",
+                "meridian_agent_queue_wait",
+                "meridian_agent_request_duration",
+            )
         ]
-        self._meters = MeterProvider(metric_readers=[reader], resource=resource, views=views)
+        readers: list[MetricReader] = [reader]
+        if self.export is not None and self.export.metric_reader is not None:
+            readers.append(self.export.metric_reader)
+        self._meters = MeterProvider(metric_readers=readers, resource=resource, views=views)
         meter = self._meters.get_meter("meridian.agent")
         # Per-request counts are kept in plain counters and reported through observable
         # instruments at scrape time: an SDK ``Counter.add`` on the request path costs more
@@ -111,6 +231,11 @@ class Instruments:
         self._retries: Counter[tuple[str, ...]] = Counter()
         self._store_writes: Counter[tuple[str, ...]] = Counter()
         self._refusals: Counter[tuple[str, ...]] = Counter()
+        self._discovery_failures: Counter[tuple[str, ...]] = Counter()
+        self._prompt_tokens: Counter[tuple[str, ...]] = Counter()
+        self._generated_tokens: Counter[tuple[str, ...]] = Counter()
+        self._region: dict[str, str] = {} if region is None else {"region": region}
+        self._served_models = served_models or frozenset
         self.totals = RequestTotals()
         self.etcd_connected: bool | None = None  # None: the agent does not publish
 
@@ -152,6 +277,13 @@ class Instruments:
             "key) and cause (unauthenticated, model, requests, tokens).",
         )
 
+        meter.create_observable_counter(
+            "meridian_agent_discovery_failures",
+            callbacks=[counts(self._discovery_failures, ("source", "cause"))],
+            description="DNS discovery resolutions that failed or came back empty and so "
+            "changed nothing, by source (dns:<name>) and cause.",
+        )
+
         def connected_cb(_: CallbackOptions) -> Iterable[Observation]:
             up = self.etcd_connected
             return [] if up is None else [Observation(1 if up else 0)]
@@ -164,11 +296,64 @@ class Instruments:
         self.ttft = meter.create_histogram(
             "meridian_agent_time_to_first_token",
             unit="s",
-            description="Arrival at the agent to the first byte relayed to the client.",
+            description="Arrival at the agent to the first byte relayed to the client, by model.",
         )
         self.queue_wait = meter.create_histogram(
-            "meridian_agent_queue_wait", unit="s", description="Time spent in the central queue."
+            "meridian_agent_queue_wait",
+            unit="s",
+            description="Time spent in the central queue, by priority class.",
         )
+        self.duration = meter.create_histogram(
+            "meridian_agent_request_duration",
+            unit="s",
+            description="Arrival at the agent to the last byte of the answer, by model.",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_prompt_tokens",
+            callbacks=[counts(self._prompt_tokens, (*self._region, "model"))],
+            description="Prompt tokens of the requests nodes answered, by model (the node's "
+            "usage, else the agent's count).",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_generated_tokens",
+            callbacks=[counts(self._generated_tokens, (*self._region, "model"))],
+            description="Tokens generated for the requests nodes answered, by model (the "
+            "node's usage, else counted from the stream).",
+        )
+        labels = {"version": version.version(), **self._region}
+        meter.create_observable_gauge(
+            "meridian_agent_build_info",
+            callbacks=[lambda _: [Observation(1, labels)]],
+            description="1, labelled with the installed Meridian version and the region.",
+        )
+        if node_states is not None:
+            states_of = node_states
+
+            def node_state_cb(_: CallbackOptions) -> Iterable[Observation]:
+                return [
+                    Observation(1 if state == s else 0, {"node": node, "state": s})
+                    for node, state in states_of().items()
+                    for s in _HEALTH_STATES
+                ]
+
+            meter.create_observable_gauge(
+                "meridian_agent_node_state",
+                callbacks=[node_state_cb],
+                description="1 for the node's health state (healthy, probation, ejected, "
+                "unhealthy), 0 for the others.",
+            )
+        if ejections is not None:
+            ejected = ejections
+
+            def ejections_cb(_: CallbackOptions) -> Iterable[Observation]:
+                return [Observation(v, {"cause": k}) for k, v in list(ejected.items())]
+
+            meter.create_observable_counter(
+                "meridian_agent_node_ejections",
+                callbacks=[ejections_cb],
+                description="Nodes taken out of rotation, by cause (errors, probation, "
+                "latency, probes).",
+            )
 
         def depth_cb(_: CallbackOptions) -> Iterable[Observation]:
             return [Observation(v, {"model": k}) for k, v in queue_depths().items()]
@@ -196,10 +381,27 @@ class Instruments:
                 description="1 while fewer than health.panic_threshold of the active nodes are "
                 "routable and the agent routes to all of them as if healthy, else 0.",
             )
+        if nodes_by_source is not None:
+            by_source = nodes_by_source
+
+            def nodes_cb(_: CallbackOptions) -> Iterable[Observation]:
+                return [Observation(v, {"source": k}) for k, v in by_source().items()]
+
+            meter.create_observable_gauge(
+                "meridian_agent_nodes",
+                callbacks=[nodes_cb],
+                description="Nodes in the pool, by who added them (static, admin, autoscaler, "
+                "dns:<name>).",
+            )
         self._traces = TracerProvider(resource=resource)
         if console_spans:
             self._traces.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        if self.export is not None and self.export.span_processor is not None:
+            self._traces.add_span_processor(self.export.span_processor)
         self.tracer: Tracer = self._traces.get_tracer("meridian.agent")
+        # whether the agent's spans go anywhere: then it sends the nodes its own span as their
+        # parent (traceparent), else it forwards the client's as it came
+        self.tracing = console_spans or (self.export is not None and self.export.traces)
 
     def count_request(self, *, node: str, status: int) -> None:
         self._requests[(node, str(status))] += 1
@@ -208,11 +410,30 @@ class Instruments:
         if status >= 500:
             totals.failed += 1
 
-    def record_ttft(self, seconds: float) -> None:
+    def model_label(self, model: str) -> str:
+        """``model`` when a node of the pool serves it, else ``other``."""
+        return model if model in self._served_models() else OTHER_MODEL
+
+    def record_ttft(self, seconds: float, *, model: str = OTHER_MODEL) -> None:
         """Arrival at the agent to the first byte relayed (streams): the histogram on
-        ``/metrics`` and the running totals the publisher reads."""
-        self.ttft.record(seconds)
+        ``/metrics`` and the running totals the publisher reads.  ``model``: a label from
+        :meth:`model_label`."""
+        self.ttft.record(seconds, {**self._region, "model": model})
         self.totals.ttft[bisect.bisect_left(TTFT_BOUNDS_S, seconds)] += 1
+
+    def record_queue_wait(self, seconds: float, *, priority: int) -> None:
+        name = _PRIORITY_NAMES.get(priority, str(priority))
+        self.queue_wait.record(seconds, {**self._region, "priority": name})
+
+    def record_request(self, seconds: float, request: RequestMetrics) -> None:
+        """A request ended ``seconds`` after it arrived: its duration and, when a node's
+        answer was relayed, its tokens."""
+        self.duration.record(seconds, {**self._region, "model": request.model})
+        request.finish()
+        if request.started:
+            key = (*self._region.values(), request.model)
+            self._prompt_tokens[key] += request.prompt
+            self._generated_tokens[key] += request.generated
 
     def count_store_write(self, *, kind: str) -> None:
         self._store_writes[(kind,)] += 1
@@ -226,9 +447,17 @@ class Instruments:
     def count_refusal(self, *, tenant: str, cause: str) -> None:
         self._refusals[(tenant, cause)] += 1
 
+    def count_discovery_failure(self, *, source: str, cause: str) -> None:
+        self._discovery_failures[(source, cause)] += 1
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def shutdown(self) -> None:
+        """Stop the providers; with OTLP export, flush it first, for ``otel.timeout_s`` at
+        most.  Blocking (an export in flight): the app calls it on a thread."""
+        if self.export is not None:
+            self.export.shutdown(tracers=self._traces, meters=self._meters)
+            return
         self._meters.shutdown()
         self._traces.shutdown()

@@ -1,10 +1,12 @@
 """The region's nodes: which exist and what each serves.
 
-Nodes come from settings at start, from the admin API (``POST`` / ``DELETE /admin/nodes``) and
-from an autoscaler actuator, all through :class:`Roster`: :meth:`Roster.add` puts a node in the
-pool and asks it which models it serves (``/v1/models``); :meth:`Roster.remove` takes it out and
-makes telemetry, health and the routing policy forget it (its in-flight requests finish).  Every
-``telemetry.models_refresh_s`` the roster asks every node again (:meth:`Roster.models_loop`).
+Nodes come from settings at start, from the admin API (``POST`` / ``DELETE /admin/nodes``),
+from an autoscaler actuator and from DNS discovery (``regional_agent.discovery``), all through
+:class:`Roster`: :meth:`Roster.add` puts a node in the pool and asks it which models it serves
+(``/v1/models``); :meth:`Roster.remove` takes it out and makes telemetry, health and the routing
+policy forget it (its in-flight requests finish).  Every node remembers its ``source``
+(``static``, ``admin``, ``autoscaler``, ``dns:<name>``).  Every ``telemetry.models_refresh_s``
+the roster asks every node again (:meth:`Roster.models_loop`).
 """
 
 from __future__ import annotations
@@ -44,14 +46,20 @@ class Roster:
         self._default_slots = default_slots
         self._models_timeout_s = models_timeout_s
 
-    def make(self, settings: NodeSettings) -> Node:
+    def make(self, settings: NodeSettings, *, source: str = "static") -> Node:
         """The node ``settings`` describe, not yet in the pool."""
-        return make_node(settings, default_slots=self._default_slots)
+        return make_node(settings, default_slots=self._default_slots, source=source)
 
-    async def add(self, node: Node) -> Node:
-        """Put ``node`` in the pool (``ValueError`` if its id is taken) and learn its models."""
+    async def add(self, node: Node, *, warm: bool | None = None) -> Node:
+        """Put ``node`` in the pool (``ValueError`` if its id is taken) and learn its models.
+
+        ``warm``: True, it takes full traffic at once; False, it ramps up over
+        ``health.slow_start_s``; None, as the health monitor decides (warm only before its
+        first probe round)."""
         if node.node_id in self._pool:
             raise ValueError(f"node {node.node_id} is already in the pool")
+        if warm is not None:
+            self._health.meet(node.node_id, warm=warm)
         self._pool.add(node)
         await self.refresh_models([node])
         return node
@@ -93,11 +101,12 @@ class Roster:
             self._pool.notify()
 
 
-def make_node(settings: NodeSettings, *, default_slots: int) -> Node:
+def make_node(settings: NodeSettings, *, default_slots: int, source: str = "static") -> Node:
     return Node(
         node_id=NodeId(settings.node_id),
         url=settings.url,
         weight=settings.weight,
         slots=settings.slots or default_slots,
         group=settings.group,
+        source=source,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import tomllib
 from pathlib import Path
@@ -33,7 +34,7 @@ from pydantic_settings import (
 
 import meridian_etcd
 from meridian_etcd import endpoints as etcd_endpoints
-from meridian_service import hygiene
+from meridian_service import hygiene, otlp
 from meridian_service import settings as settings_loading
 from meridian_service import tls as tls_module
 from policies import group_routing, routing
@@ -333,7 +334,7 @@ class QueueSettings(_Group):
         120.0, gt=0, description="a request still queued after this long gets 504 (seconds)"
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with 429 (seconds)")
-    tenant_priority: dict[str, str] = Field(
+    tenant_priority: dict[str, Literal["high", "normal", "low"]] = Field(
         default_factory=dict,
         description="X-Tenant value -> priority class (high, normal, low); open mode only: "
         "with tenants.keys_file the key's tenant decides and X-Tenant is ignored",
@@ -627,7 +628,9 @@ _ONE_TOKEN = "set one of admin.token, admin.token_file and admin.token_sha256, n
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class TelemetryExportSettings(_Group):
+class TelemetryExportSettings(otlp.OtlpSettings):
+    """``[otel]``: OTLP export (meridian_service.otlp; docs/observability.md#otlp)."""
+
     console_spans: bool = Field(False, description="print OpenTelemetry spans to stderr")
 
 
@@ -690,7 +693,7 @@ class RegionSettings(_Group):
     etcd_ca_file: Path | None = Field(
         None,
         description="PEM CA that signed the etcd members' certificates; required with https:// "
-        "etcd URLs, refused with http:// ones (docs/security-etcd.md)",
+        "etcd URLs, refused with http:// ones (docs/security.md#etcd-tls-users-and-roles)",
     )
     etcd_cert_file: Path | None = Field(
         None,
@@ -859,6 +862,117 @@ class AutoscalerSettings(_Group):
         return self
 
 
+_DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+
+
+class DnsDiscoverySettings(_Group):
+    """One name whose records are nodes (``[[discovery.dns]]``; docs/agent.md, Node discovery)."""
+
+    name: str = Field(
+        description="the DNS name to resolve, fully qualified (no search domains), e.g. "
+        "vllm.inference.svc.cluster.local or _http._tcp.vllm.example.com for SRV"
+    )
+    record: Literal["A", "AAAA", "SRV"] = Field(
+        "A",
+        description="A or AAAA: every address is a node at port; SRV: every target and port is "
+        "a node, at the target's A addresses (AAAA when it has none)",
+    )
+    port: int | None = Field(
+        None, ge=1, le=65535, description="the nodes' port; required with A and AAAA, not with SRV"
+    )
+    scheme: Literal["http", "https"] = Field("http", description="the nodes' URL scheme")
+    interval_s: float = Field(5.0, gt=0, description="seconds between resolutions of the name")
+    timeout_s: float = Field(
+        2.0, gt=0, description="time one resolution may take, retries included (seconds)"
+    )
+    nameservers: list[str] = Field(
+        default_factory=list,
+        description="servers to ask, IP[:port] ([IPv6]:port), port 53 by default; none: those "
+        "of /etc/resolv.conf",
+    )
+    empty_after: int = Field(
+        0,
+        ge=0,
+        description="apply an empty answer (NXDOMAIN, or no records of the type) only after "
+        "this many in a row, draining every node of the name; 0, the default: never, the last "
+        "good set stays",
+    )
+    weight: float = Field(1.0, gt=0, description="weight of every node found (as [[nodes]])")
+    slots: int | None = Field(
+        None, gt=0, description="slots of every node found; default queue.slots_per_node"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _dns_name(cls, value: str) -> str:
+        name = value.strip().rstrip(".").lower()
+        labels = name.split(".")
+        if len(name) > 253 or not all(_DNS_LABEL.match(label) for label in labels):
+            raise ValueError(f"{value!r} is not a DNS name (letters, digits, '-', '_' labels)")
+        return name
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, value: list[str]) -> list[str]:
+        for server in value:
+            _parse_nameserver(server)
+        return value
+
+    @model_validator(mode="after")
+    def _port_given(self) -> DnsDiscoverySettings:
+        if self.record == "SRV" and self.port is not None:
+            raise ValueError(f"{self.name}: port is taken from the SRV records; remove port")
+        if self.record != "SRV" and self.port is None:
+            raise ValueError(f"{self.name}: port is required with record = {self.record!r}")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The nodes' source in ``GET /admin/nodes``."""
+        return f"dns:{self.name}"
+
+    def servers(self) -> list[tuple[str, int]]:
+        """``nameservers`` as (IP address, port)."""
+        return [_parse_nameserver(s) for s in self.nameservers]
+
+
+def _parse_nameserver(server: str) -> tuple[str, int]:
+    """``10.0.0.2``, ``10.0.0.2:5353``, ``fd00::2`` or ``[fd00::2]:5353`` as (address, port)."""
+    text = server.strip()
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else ("53" if not rest else "x")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    try:
+        ip = ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        ip, number = None, 0
+    if ip is None or not 0 < number < 65536 or (text.startswith("[") and ip.version != 6):
+        raise ValueError(
+            f"nameserver {server!r} must be an IP address with an optional port: "
+            "10.0.0.2, 10.0.0.2:5353, fd00::2, [fd00::2]:5353"
+        )
+    return str(ip), number
+
+
+class DiscoverySettings(_Group):
+    """Where the agent finds nodes besides [[nodes]] and the admin API."""
+
+    dns: list[DnsDiscoverySettings] = Field(
+        default_factory=list, description="DNS names whose records are nodes ([[discovery.dns]])"
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DiscoverySettings:
+        names = [entry.name for entry in self.dns]
+        if len(set(names)) != len(names):
+            raise ValueError(f"discovery.dns: a name is given twice: {', '.join(names)}")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MERIDIAN_AGENT_",
@@ -869,6 +983,7 @@ class Settings(BaseSettings):
 
     server: ServerSettings = ServerSettings()
     nodes: list[NodeSettings] = Field(default_factory=list, description="the region's nodes")
+    discovery: DiscoverySettings = DiscoverySettings()
     routing: RoutingSettings = RoutingSettings()
     parse: ParseSettings = ParseSettings()
     telemetry: TelemetrySettings = TelemetrySettings()

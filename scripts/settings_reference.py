@@ -19,7 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from policies import routing  # noqa: E402
-from regional_agent.settings import KeyEntry, NodeSettings, Settings, TenantEntry  # noqa: E402
+from regional_agent.settings import (  # noqa: E402
+    DnsDiscoverySettings,
+    KeyEntry,
+    NodeSettings,
+    Settings,
+    TenantEntry,
+)
 
 OUT = ROOT / "docs" / "agent-settings.md"
 
@@ -44,8 +50,9 @@ def render() -> str:
         "not edit by hand. Set them in the TOML file given with `--config` (`[group]` tables,",
         "`[[nodes]]` entries), as environment variables (`MERIDIAN_AGENT_<GROUP>__<FIELD>`, e.g.",
         "`MERIDIAN_AGENT_QUEUE__MAX_DEPTH=200`), or with the flags `--host`, `--port`, `--node`,",
-        "`--policy`, `--region`, `--geo`, `--residency`, `--endpoint`, `--etcd` and",
-        "`--actuator`. Flags win over the environment, which wins over the file. Secrets never",
+        "`--discover-dns NAME:PORT`, `--discover-srv NAME`, `--policy`, `--region`, `--geo`,",
+        "`--residency`, `--endpoint`, `--etcd` and `--actuator`. Flags win over the",
+        "environment, which wins over the file. Secrets never",
         "go on the command line: the admin token comes from `admin.token_file`,",
         "`admin.token_sha256` or `MERIDIAN_AGENT_ADMIN__TOKEN` (docs/security.md).",
         "",
@@ -80,6 +87,17 @@ def render() -> str:
                 f"| `{f.name}` | `{f.default!r}` |"
                 for f in dataclasses.fields(routing.RoutingConfig)
             ]
+            lines.append("")
+        if name == "discovery":
+            lines += [
+                "Each `[[discovery.dns]]` table is one DNS name whose records are nodes",
+                '(docs/agent.md, "Node discovery"):',
+                "",
+                "| `[[discovery.dns]]` field | default | meaning |",
+                "|---|---|---|",
+            ]
+            for sub, f in DnsDiscoverySettings.model_fields.items():
+                lines.append(f"| `{sub}` | {_default(f)} | {f.description or ''} |")
             lines.append("")
         if name == "tenants":
             lines += [

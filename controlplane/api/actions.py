@@ -14,6 +14,10 @@ Every action, refused or not, dry run or not, leaves an audit entry (``audit/<ti
 one that fails with a 5xx (etcd unavailable, leadership lost) leaves one with result
 ``error`` when etcd still takes it (best effort: the original error is what the caller gets).
 An ``Idempotency-Key`` answers a repeated request with the first answer and does nothing again.
+
+The leader's :class:`Hooks` hear of each action's verb and result (as its audit entry says it:
+``applied``, ``dry-run``, ``refused``, ``error``; or ``replayed``) and of every pass an action
+commits: the replica's metrics (``controlplane.observability``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
@@ -76,12 +80,30 @@ class Reply:
     replayed: bool = False
 
 
+def _no_action(action: str, result: str) -> None:
+    return None
+
+
+def _no_commit(prepared: windows.Prepared) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hooks:
+    """Who hears of the leader's actions: ``action(verb, result)`` once per action, and
+    ``committed(prepared)`` for every pass an action writes."""
+
+    action: Callable[[str, str], None] = _no_action
+    committed: Callable[[windows.Prepared], None] = _no_commit
+
+
 @dataclass(slots=True, kw_only=True)
 class Leader:
     settings: ControllerSettings
     store: etcd.Store
     election: Election
     clock: Clock
+    hooks: Hooks = field(default_factory=Hooks)
 
     def fence(self) -> etcd.Fence:
         fence = self.election.fence
@@ -181,6 +203,22 @@ async def _prune(leader: Leader, fence: etcd.Fence) -> None:
 
 
 async def _run(
+    leader: Leader, req: Request, work: Callable[[etcd.Fence, str], Awaitable[Reply]]
+) -> Reply:
+    """:func:`_execute`, its result told to ``leader.hooks.action``."""
+    result = "error"
+    try:
+        reply = await _execute(leader, req, work)
+        result = "replayed" if reply.replayed else "dry-run" if req.dry_run else "applied"
+        return reply
+    except ApiProblem as problem:
+        result = "refused" if problem.status < 500 else "error"
+        raise
+    finally:
+        leader.hooks.action(req.action, result)
+
+
+async def _execute(
     leader: Leader, req: Request, work: Callable[[etcd.Fence, str], Awaitable[Reply]]
 ) -> Reply:
     """Replay, or do ``work`` under the pass lock; audit a refusal (and keep its answer)."""
@@ -404,7 +442,7 @@ async def region_action(leader: Leader, req: Request) -> Reply:
             puts[keys.override(region)] = override.model_dump_json().encode()
         await windows.commit(
             after, store=leader.store, fence=fence, settings=leader.settings, extra_puts=puts,
-            deletes=deletes,
+            deletes=deletes, on_commit=leader.hooks.committed,
         )  # fmt: skip
         return reply
 

@@ -30,7 +30,7 @@ import pydantic
 from aiohttp import web
 
 import meridian_etcd as etcd
-from controlplane.api import actions, auth, forward, routes
+from controlplane.api import actions, auth, forward, routes, ui
 from controlplane.api import keys as api_keys
 from controlplane.api.models import AdminEndpoint, Problem
 from controlplane.api.problems import (
@@ -59,6 +59,7 @@ class AdminApi:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     tls: ServerTls | None = None  # set once the site is bound, when api.tls is set
     runner: hygiene.Runner | None = None  # the admin site's: its connections, for tests
+    hooks: actions.Hooks = field(default_factory=actions.Hooks)  # the replica's metrics
 
     @property
     def settings(self) -> ControllerSettings:
@@ -68,8 +69,9 @@ class AdminApi:
     def leader(self) -> actions.Leader:
         r = self.replica
         return actions.Leader(
-            settings=r.settings, store=r.store, election=r.election, clock=r.clock
-        )
+            settings=r.settings, store=r.store, election=r.election, clock=r.clock,
+            hooks=self.hooks,
+        )  # fmt: skip
 
 
 ADMIN_API = web.AppKey("admin_api", AdminApi)
@@ -91,7 +93,8 @@ def add_routes(app: web.Application, *, read_only: bool = False) -> None:
     """Mount :data:`routes.ROUTES` on ``app`` (which holds ``ADMIN_API`` and the :func:`problems`
     middleware): every route, or with ``read_only`` only the GETs, with the same handlers, roles
     and shapes, so each resource has one handler wherever it is served.  A write sent to a
-    read-only app is answered 405 with a pointer to the admin port."""
+    read-only app is answered 405 with a pointer to the admin port.  The fleet page
+    (``api.ui``, ``/ui/``) is served on the admin port only; the read port answers 404 there."""
     app[READ_ONLY] = read_only
     for route in routes.ROUTES:
         writable = read_only and route.method != "GET"
@@ -100,6 +103,9 @@ def add_routes(app: web.Application, *, read_only: bool = False) -> None:
     if read_only:  # the load balancers' and supervisors' liveness path: /v1/health as it is
         health = next(r for r in routes.ROUTES if r.path == "/v1/health")
         app.router.add_get("/health", _endpoint(health))
+        ui.add_refusal(app)
+    else:
+        ui.add_routes(app)
 
 
 def _read_only(route: routes.Route) -> Handler:
@@ -120,7 +126,7 @@ def serving(api: AdminApi) -> Callable[[web.Application], AsyncIterator[None]]:
         if s.port is None:
             yield
             return
-        tls = _server_tls(api.settings)
+        tls = server_tls(api.settings)
         api.tls = tls
         runner = hygiene.runner(create_admin_app(api), s.limits(), label="api", access_log=None)
         await runner.setup()
@@ -153,7 +159,7 @@ def _crashed(task: asyncio.Task[None]) -> None:
         log.error("admin API task crashed", exc_info=task.exception())
 
 
-def _server_tls(settings: ControllerSettings) -> ServerTls | None:
+def server_tls(settings: ControllerSettings) -> ServerTls | None:
     """``api.tls``'s certificate and key, as the agent's listener has them
     (``meridian_service.tls``: read again on SIGHUP, a bad new pair keeps the old one)."""
     tls = settings.api.tls

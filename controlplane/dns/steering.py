@@ -16,11 +16,16 @@ pass compares against what the server actually serves.
 
 The ``dry-run`` backend reads the server the same way but only logs the difference it would
 send (once per distinct difference).
+
+:class:`DnsStats` keeps what the replica's metrics show (the last pass that left every view as
+planned, each view's desired and applied generation, failed passes by kind); the replica hands
+the same one to every leadership's steering, so it outlives them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -28,7 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import meridian_etcd as etcd
-from controlplane.dns.errors import DnsError, DnsRefused
+from controlplane.dns.errors import DnsError, DnsFailed, DnsRefused, DnsUnavailable
 from controlplane.dns.rfc2136 import Client, normalize
 from controlplane.reconcile import fleet
 from controlplane.settings import ControllerSettings
@@ -80,6 +85,27 @@ def views_of(settings: ControllerSettings) -> list[dns_plan.ViewSpec]:
 
 
 @dataclass(slots=True, kw_only=True)
+class DnsStats:
+    """What steering did, for the replica's metrics (``controlplane.observability``)."""
+
+    applied_at: float | None = None  # wall time of the last pass that left every view as planned
+    desired: dict[str, int] = field(default_factory=dict)  # view -> generation planned
+    applied: dict[str, int] = field(default_factory=dict)  # view -> generation it serves
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)  # failed passes
+
+    def failed(self, exc: BaseException) -> None:
+        """A failed pass, by kind: ``unavailable`` (no answer), ``refused`` (REFUSED, NOTAUTH,
+        TSIG), ``failed`` (SERVFAIL, a malformed answer), ``etcd`` (unreachable), ``error``."""
+        kinds: tuple[tuple[type[BaseException], str], ...] = (
+            (DnsUnavailable, "unavailable"),
+            (DnsRefused, "refused"),
+            (DnsFailed, "failed"),
+            (etcd.Unavailable, "etcd"),
+        )
+        self.errors[next((k for t, k in kinds if isinstance(exc, t)), "error")] += 1
+
+
+@dataclass(slots=True, kw_only=True)
 class Steering:
     settings: ControllerSettings
     store: etcd.Store
@@ -93,6 +119,7 @@ class Steering:
     passes: int = 0  # successful passes
     failures: int = 0  # consecutive failed passes
     window: int = 0
+    stats: DnsStats = field(default_factory=DnsStats)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _dry_run_seen: dict[str, tuple[dns_plan.Change, ...]] = field(default_factory=dict)
     _held: dict[str, str] = field(default_factory=dict)
@@ -170,6 +197,7 @@ class Steering:
                 " ".join(f"{v.view}=[{v.reason}]" for v in plan.views.values()),
             )  # fmt: skip
         self.desired = plan
+        self.stats.desired = dict.fromkeys(plan.views, plan.generation)
         sent = 0
         counts: dict[str, int] = {}
         for name, wanted in plan.views.items():
@@ -188,6 +216,8 @@ class Steering:
             counts[name] = len(changes)
             self._held.pop(name, None)
             if not changes:
+                if self.backend != "dry-run":
+                    self.stats.applied[name] = plan.generation
                 continue
             if self.backend == "dry-run":
                 if self._dry_run_seen.get(name) != changes:
@@ -197,6 +227,7 @@ class Steering:
                 sent += 1
                 continue
             await self.client.update(name, changes)
+            self.stats.applied[name] = plan.generation
             self.updates += 1
             sent += 1
             log.info(
@@ -205,11 +236,14 @@ class Steering:
                 "; ".join(c.describe() for c in changes),
             )  # fmt: skip
         self.passes += 1
+        if self.backend != "dry-run":
+            self.stats.applied_at = self.clock.now()
         await self._record(plan, counts=counts, error=None)
         return sent
 
     async def _failed(self, exc: Exception) -> None:
         self.failures += 1
+        self.stats.failed(exc)
         text = str(exc) or type(exc).__name__
         level = logging.ERROR if isinstance(exc, DnsRefused) else logging.WARNING
         first = self.applied is None or self.applied.error != text
@@ -308,10 +342,16 @@ Poke = Steering | _Off
 
 @contextlib.asynccontextmanager
 async def steering(
-    settings: ControllerSettings, *, store: etcd.Store, fence: etcd.Fence | None, clock: Clock
+    settings: ControllerSettings,
+    *,
+    store: etcd.Store,
+    fence: etcd.Fence | None,
+    clock: Clock,
+    stats: DnsStats | None = None,
 ) -> AsyncIterator[Poke]:
     """DNS steering for the length of a leadership: ``poke()`` it after every window.  With
-    ``dns.backend = "off"`` it does nothing."""
+    ``dns.backend = "off"`` it does nothing.  ``stats``: where it keeps what it did (the
+    replica's, across leaderships)."""
     if settings.dns.backend == "off":
         yield _Off()
         return
@@ -323,7 +363,12 @@ async def steering(
                 view.name,
             )
     steer = Steering(
-        settings=settings, store=store, fence=fence, clock=clock, client=Client(settings.dns)
+        settings=settings,
+        store=store,
+        fence=fence,
+        clock=clock,
+        client=Client(settings.dns),
+        stats=stats or DnsStats(),
     )
     task = asyncio.create_task(steer.run(), name="meridian-controller-dns")
 

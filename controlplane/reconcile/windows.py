@@ -14,6 +14,8 @@ The failover policy's knobs come from the settings, overridden by what an admin 
 applied from the next window).
 The admin API also uses ``prepare`` to show an action's plan (a dry run, with the operator's
 override applied) and commits it with ``commit``; ``pass_lock`` keeps one pass at a time.
+Both may hand ``commit`` an ``on_commit`` hook, called with each pass once it is written (the
+replica's metrics count its failovers and recoveries there).
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ async def reconcile_once(
     clock: Clock,
     judge: bool = True,
     freshness: Freshness | None = None,
+    on_commit: Callable[[Prepared], None] | None = None,
 ) -> PassResult:
     controller = fence.value.decode() if fence is not None else ""
     async with pass_lock(store):
@@ -207,7 +210,9 @@ async def reconcile_once(
             store=store, settings=settings, clock=clock, judge=judge, controller=controller,
             freshness=freshness,
         )  # fmt: skip
-        return await commit(prepared, store=store, fence=fence, settings=settings)
+        return await commit(
+            prepared, store=store, fence=fence, settings=settings, on_commit=on_commit
+        )
 
 
 async def prepare(
@@ -344,10 +349,14 @@ async def commit(
     settings: ControllerSettings,
     extra_puts: Mapping[str, bytes] | None = None,
     deletes: tuple[str, ...] = (),
+    on_commit: Callable[[Prepared], None] | None = None,
 ) -> PassResult:
-    """Write a prepared pass (plus ``extra_puts``/``deletes``) in one fenced transaction."""
+    """Write a prepared pass (plus ``extra_puts``/``deletes``) in one fenced transaction; then
+    ``on_commit(prepared)``."""
     puts = {**prepared.puts, **(extra_puts or {})}
     await store.commit(puts=puts, deletes=deletes, fence=fence)
+    if on_commit is not None:
+        on_commit(prepared)
     state, result = prepared.result.state, prepared.result
     for event in prepared.events:
         level = (

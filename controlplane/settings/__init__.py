@@ -22,6 +22,7 @@ import meridian_etcd
 from controlplane.settings.api import ApiSettings, ConnectionSettings
 from controlplane.settings.dns import DnsSettings
 from meridian_etcd import endpoints as etcd_endpoints
+from meridian_service import otlp
 from meridian_service import settings as settings_loading
 from meridian_wire.models import REGION_ID, RESIDENCY_TAG
 
@@ -220,6 +221,11 @@ class ControllerSettings(BaseSettings):
     dns: DnsSettings = Field(
         default_factory=DnsSettings,
         description="DNS steering: server, views, TSIG keys; off by default (docs/dns.md)",
+    )
+    otel: otlp.OtlpSettings = Field(
+        default_factory=otlp.OtlpSettings,
+        description="OTLP export of the replica's metrics; off without an endpoint "
+        "(docs/observability.md#otlp)",
     )
 
     @model_validator(mode="after")

@@ -184,7 +184,7 @@ class SimulatorActuator:
                 f"check autoscaler.profile={s.profile!r}"
             )
         url = line.split()[1]
-        node = self._roster.make(NodeSettings(url=url, weight=s.node_weight))
+        node = self._roster.make(NodeSettings(url=url, weight=s.node_weight), source="autoscaler")
         if node.node_id in self._pool:
             await _terminate(process)
             raise ActuatorError(f"node {node.node_id} is already in the pool")

@@ -13,16 +13,19 @@ in ``policies.health``.
   first token (``None`` when not streamed), or failed (connect error, 5xx, timeout, garbage).
 * Every change of state is logged once with its reason (``node=... state=ejected reason=...``)
   and wakes waiting requests through :meth:`NodePool.notify`.  An ejection that the pool's cap
-  refuses is logged once as well.
+  refuses is logged once as well.  :attr:`HealthMonitor.ejections` counts the nodes taken out
+  of rotation (healthy or on probation to ejected or unhealthy) by cause, for ``/metrics``.
 
 Nodes met before the first probe round has finished are taken as warm (no slow start: a fresh
-agent must not throttle a fleet that has been serving); nodes added later ramp up.  A node the
-monitor has not met yet is HEALTHY until probed.
+agent must not throttle a fleet that has been serving); nodes added later ramp up, unless whoever
+adds one says otherwise (:meth:`HealthMonitor.meet`: DNS discovery's first answer is the fleet
+as it was serving).  A node the monitor has not met yet is HEALTHY until probed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 
@@ -68,6 +71,8 @@ class HealthMonitor:
         self._clock = clock
         self._tracker = health.Tracker(config_from(settings))
         self._started = False  # True once the first probe round is done
+        # nodes taken out of rotation, by cause (errors, probation, latency, probes)
+        self.ejections: collections.Counter[str] = collections.Counter()
         self._sync(now=clock.now())
 
     # -- loop ----------------------------------------------------------------------------------
@@ -177,6 +182,12 @@ class HealthMonitor:
     def forget(self, node_id: NodeId) -> None:
         self._tracker.forget(node_id)
 
+    def meet(self, node_id: NodeId, *, warm: bool) -> None:
+        """Track a node about to join the pool as warm (full traffic at once) or not (slow
+        start), whatever the first probe round has done; call it just before ``pool.add``.  A
+        node already tracked keeps its state."""
+        self._tracker.track(node_id, now=self._clock.now(), warm=warm)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _track(self, node_id: NodeId, *, now: float) -> health.NodeHealth:
@@ -201,6 +212,8 @@ class HealthMonitor:
         for change in changes:
             if change.changed:
                 moved = True
+                if change.after in _BAD_NEWS and change.before not in _BAD_NEWS:
+                    self.ejections[change.cause or "other"] += 1
                 level = logging.WARNING if change.after in _BAD_NEWS else logging.INFO
                 log.log(
                     level,

@@ -25,6 +25,11 @@ the request queues (429 with ``x-ratelimit-*``); the priority is the tenant's (i
 ``X-Priority`` only when trusted; ``X-Tenant`` is ignored) and the key is not forwarded to the
 node.  A served response carries the ``x-ratelimit-*`` headers, and its usage settles the
 tokens reserved.  Without keys (open mode) none of this applies.
+
+Trace context: the request's span (``agent.request``, kind SERVER) is a child of the client's
+W3C ``traceparent``; when the agent exports its spans it sends the node its own span's context
+as ``traceparent``, so the node's span (vLLM's ``llm_request``) is its child; otherwise the
+client's ``traceparent`` and ``tracestate`` go to the node as they came.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from meridian_service import strict_json
 from policies import admission, prompt
@@ -58,6 +64,7 @@ from regional_agent.errors import (
     UpstreamStatus,
     UpstreamUnavailable,
 )
+from regional_agent.observability import RequestMetrics
 from regional_agent.queue import Lease
 from regional_agent.settings import Settings
 from regional_agent.tenants import Admission, Tenant, UsageTally
@@ -68,6 +75,8 @@ log = logging.getLogger(__name__)
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_ASSUMED_MAX_TOKENS = 256  # for accounting only, when a chat request names no limit
 _FORWARD_HEADERS = ("Authorization", "X-Request-ID", "traceparent", "tracestate")
+_TRACE_HEADERS = ("traceparent", "tracestate")
+_W3C = TraceContextTextMapPropagator()  # W3C trace context: the client's in, the agent's out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +86,7 @@ class _Parsed:
     view: RequestView
     stream: bool
     tokens: int  # prompt + max_tokens, for the agent's accounting
+    metrics: RequestMetrics  # its model label and tokens, for /metrics
     reply_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*
     tally: UsageTally | None = None  # what the response used, with a token limit
 
@@ -226,7 +236,14 @@ def _parse_body(
         session_key=session,
         priority=priority,
     )
-    return _Parsed(body=body, raw=raw, view=view, stream=stream, tokens=prompt_tokens + max_tokens)
+    return _Parsed(
+        body=body,
+        raw=raw,
+        view=view,
+        stream=stream,
+        tokens=prompt_tokens + max_tokens,
+        metrics=RequestMetrics(model=model, prompt_tokens=prompt_tokens),
+    )
 
 
 def _priority(headers: Mapping[str, str], settings: Settings, tenant: Tenant | None) -> int:
@@ -349,14 +366,20 @@ async def _proxy_admitted(
 ) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-ID") or uuid.uuid4().hex
     headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
+    tracing = agent.instruments.tracing
     for name in _FORWARD_HEADERS:
         if name == "Authorization" and tenant is not None:
             continue  # the client's key is the agent's secret, not the node's
+        if tracing and name in _TRACE_HEADERS:
+            continue  # the agent's own span context goes instead (below)
         if name in request.headers and name not in headers:
             headers[name] = request.headers[name]
     agent.budget.on_request(now=agent.clock.now())
+    parsed.metrics.model = agent.instruments.model_label(parsed.view.model)
     with agent.instruments.tracer.start_as_current_span(
         "agent.request",
+        context=_W3C.extract(request.headers),  # a child of the client's span, if it sent one
+        kind=SpanKind.SERVER,
         attributes={
             "meridian.model": parsed.view.model,
             "meridian.stream": parsed.stream,
@@ -366,6 +389,8 @@ async def _proxy_admitted(
             "meridian.tenant": "" if tenant is None else tenant.name,
         },
     ) as span:
+        if tracing:
+            _W3C.inject(headers)  # the node's span is a child of this one, not its sibling
         status = 500
         node_label = "none"
         try:
@@ -393,6 +418,7 @@ async def _proxy_admitted(
         finally:
             span.set_attribute("http.status_code", status)
             agent.instruments.count_request(node=node_label, status=status)
+            agent.instruments.record_request(agent.clock.now() - arrived, parsed.metrics)
 
 
 async def _attempts(
@@ -422,7 +448,7 @@ async def _attempts(
             if isinstance(last, UpstreamStatus):
                 return _relay_error(last), "none"
             raise last from None
-        agent.instruments.queue_wait.record(lease.queue_wait_s)
+        agent.instruments.record_queue_wait(lease.queue_wait_s, priority=parsed.view.priority)
         agent.instruments.count_decision(
             policy=lease.policy, reason=lease.decision.reason.split(":")[0]
         )
@@ -551,11 +577,13 @@ async def _send(
                 parsed.tally.body(data)
             if "json" in up.content_type:
                 try:
-                    json.loads(data)
+                    answer = json.loads(data)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise UpstreamProtocolError(
                         f"node {lease.node_id} answered with malformed JSON", node_id=lease.node_id
                     ) from exc
+                if up.status < 400:
+                    parsed.metrics.body(answer)
             agent.health.record(lease.node_id, ok=True, ttft_s=None, now=agent.clock.now())
             return web.Response(body=data, status=up.status, content_type=_mime(up.content_type))
     except UpstreamError as exc:
@@ -584,7 +612,7 @@ async def _relay_stream(
     now = agent.clock.now()
     lease.first_token()
     agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=now)
-    agent.instruments.record_ttft(now - arrived)
+    agent.instruments.record_ttft(now - arrived, model=parsed.metrics.model)
     response = web.StreamResponse(
         status=up.status,
         headers={
@@ -594,16 +622,19 @@ async def _relay_stream(
         },
     )
     tally = parsed.tally
+    counted = parsed.metrics
     try:
         await response.prepare(request)
         if tally is not None:
             tally.feed(first)
+        counted.chunk(first)
         await response.write(first)
         failure: str | None = None
         try:
             async for chunk in chunks:
                 if tally is not None:
                     tally.feed(chunk)
+                counted.chunk(chunk)
                 await response.write(chunk)
         except UpstreamError as exc:
             failure = exc.message

@@ -15,6 +15,10 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
 ) -> None:
     assert demo.main(["--window-s", "1"]) == 0
     out = capsys.readouterr().out
+    # the fleet page of each replica, and the token to paste there
+    page = r"https?://127\.0\.0\.1:\d+/ui/"
+    assert re.search(rf"fleet page: {page} \(ctl-a\), {page} \(ctl-b\)", out), out[:3000]
+    assert f"paste the operator token {demo.OPERATOR_TOKEN}" in out
     # step 0: every channel secured (real etcd with TLS, client certificates and auth)
     assert "+ auth enabled" in out
     step0 = out.split("== 0.", 1)[1].split("== 1.", 1)[0]

@@ -39,6 +39,11 @@ def test_every_runbook_is_tested_and_every_step_is_a_meridianctl_command() -> No
         "failback.md",
         "dns-not-updating.md",
         "etcd-degraded.md",
+        "no-leader.md",
+        "agent-down.md",
+        "node-ejections.md",
+        "ttft-slo.md",
+        "geo-last-region.md",
     }
     for name in PAGES:
         page = RUNBOOKS / name
