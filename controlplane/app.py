@@ -138,6 +138,7 @@ def create_app(settings: ControllerSettings, *, clock: Clock | None = None) -> w
         dns=controller.dns,
         otel=settings.otel,
         instance=settings.election.id,
+        regions=[r.id for r in settings.regions],
     )
     api = admin.AdminApi(
         replica=controller,

@@ -58,6 +58,19 @@ _WINDOW_BUCKETS_S = (
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
 
 
+# Every label value a counter can take, exported at 0 before its first event, so that
+# increase() and rate() see the first failover, error or action (a series that appears with
+# the value 1 has no increase to show).  Region-labelled counters start at 0 for the regions in
+# the controller's settings.
+FAILOVER_CAUSES = ("health", "manual", "drain", "backup_changed")
+RECOVERY_CAUSES = ("health", "failback", "undrain")
+ELECTION_KINDS = ("new", "resumed")
+ETCD_ERROR_KINDS = ("unavailable", "token_expired", "lease_lost", "fenced", "refused")
+DNS_ERROR_KINDS = ("unavailable", "refused", "failed", "etcd", "error")
+ACTION_VERBS = ("drain", "undrain", "failover", "failback", "policies")
+ACTION_RESULTS = ("applied", "dry-run", "refused", "error", "replayed")
+
+
 def failover_cause(before: Verdict | None, after: Verdict) -> str:
     """Why a region's traffic moved to its backup: ``manual`` (an operator's failover),
     ``drain``, ``health`` (its windows failed), or ``backup_changed`` (still below full weight,
@@ -92,6 +105,7 @@ class ControllerMetrics:
         dns: DnsStats,
         otel: otlp.OtlpSettings | None = None,
         instance: str = "meridian-controller",
+        regions: Iterable[str] = (),
     ) -> None:
         otel = otel or otlp.OtlpSettings()
         # OTLP export (docs/observability.md#otlp): a periodic reader beside the Prometheus one
@@ -119,9 +133,16 @@ class ControllerMetrics:
         self._capacity: dict[str, float] = {}
         self._agents_alive: dict[str, int] = {}
         self._geos: dict[tuple[str, str], int] = {}  # (geo, member|serving) -> regions
-        self._failovers: Counter[tuple[str, ...]] = Counter()
-        self._recoveries: Counter[tuple[str, ...]] = Counter()
-        self._actions: Counter[tuple[str, ...]] = Counter()
+        regions = sorted(set(regions))
+        self._failovers: Counter[tuple[str, ...]] = Counter(
+            {(r, c): 0 for r in regions for c in FAILOVER_CAUSES}
+        )
+        self._recoveries: Counter[tuple[str, ...]] = Counter(
+            {(r, c): 0 for r in regions for c in RECOVERY_CAUSES}
+        )
+        self._actions: Counter[tuple[str, ...]] = Counter(
+            {(v, r): 0 for v in ACTION_VERBS for r in ACTION_RESULTS}
+        )
 
         def counts(table: Mapping[tuple[str, ...], int], keys: tuple[str, ...]) -> Callback:
             def cb(_: CallbackOptions) -> Iterable[Observation]:
@@ -131,9 +152,11 @@ class ControllerMetrics:
 
             return cb
 
-        def by_kind(table: Mapping[str, int], key: str = "kind") -> Callback:
+        def by_kind(table: Mapping[str, int], known: Iterable[str], key: str = "kind") -> Callback:
+            zeros = dict.fromkeys(known, 0)
+
             def cb(_: CallbackOptions) -> Iterable[Observation]:
-                return [Observation(v, {key: k}) for k, v in list(table.items())]
+                return [Observation(v, {key: k}) for k, v in (zeros | dict(table)).items()]
 
             return cb
 
@@ -253,7 +276,7 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_elections",
-            callbacks=[by_kind(elections)],
+            callbacks=[by_kind(elections, ELECTION_KINDS)],
             description="Times this replica began leading: new (won the leader key) or "
             "resumed (kept it through an etcd outage).",
         )
@@ -264,7 +287,7 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_etcd_errors",
-            callbacks=[by_kind(etcd_failures)],
+            callbacks=[by_kind(etcd_failures, ETCD_ERROR_KINDS)],
             description="etcd calls that failed, by kind (unavailable, token_expired, "
             "lease_lost, fenced, refused).",
         )
@@ -292,7 +315,7 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_dns_update_errors",
-            callbacks=[by_kind(dns.errors)],
+            callbacks=[by_kind(dns.errors, DNS_ERROR_KINDS)],
             description="Failed DNS passes, by kind (unavailable, refused, failed, etcd, error).",
         )
         meter.create_observable_counter(

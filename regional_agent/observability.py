@@ -74,6 +74,8 @@ TTFT_BOUNDS_S: tuple[float, ...] = tuple(0.001 * 1.25**k for k in range(60))
 OTHER_MODEL = "other"  # the model label of a request for a model no node serves
 _PRIORITY_NAMES = {v: k for k, v in admission.PRIORITIES.items()}
 _HEALTH_STATES = tuple(h.value for h in Health)
+# the causes policies.health gives an ejection, exported at 0 before the first one
+EJECTION_CAUSES = ("errors", "probation", "latency", "probes")
 _USAGE_TAIL_MAX = 64 * 1024  # bytes of a stream kept from the last chunk that names usage
 
 
@@ -345,8 +347,10 @@ class Instruments:
         if ejections is not None:
             ejected = ejections
 
+            zeros = dict.fromkeys(EJECTION_CAUSES, 0)  # increase() sees the first one
+
             def ejections_cb(_: CallbackOptions) -> Iterable[Observation]:
-                return [Observation(v, {"cause": k}) for k, v in list(ejected.items())]
+                return [Observation(v, {"cause": k}) for k, v in (zeros | dict(ejected)).items()]
 
             meter.create_observable_counter(
                 "meridian_agent_node_ejections",

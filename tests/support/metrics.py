@@ -93,3 +93,9 @@ def check_documented(scrape: Scrape, prefix: str) -> None:
             k for s in family.samples for k in s.labels if k != "le" and not k.startswith("otel")
         }
         assert seen <= labels, (name, seen, labels)
+
+
+def zeros(samples: list[Sample]) -> bool:
+    """Every sample is 0: the counter is exported before its first event (so that increase()
+    sees the first one), and none has happened."""
+    return bool(samples) and all(s.value == 0 for s in samples)
