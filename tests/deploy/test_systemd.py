@@ -103,8 +103,32 @@ def test_unit_holds_no_secret(name: str) -> None:
 
 
 def test_agent_reloads_with_sighup() -> None:
+    """The agent handles SIGHUP (keys file, TLS pair) and keeps serving: reload sends it."""
     d = _directives(UNITS / "meridian-agent.service")
     assert d["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    text = (UNITS / "meridian-agent.service").read_text()
+    assert "SIGHUP ends the process" not in text and "keys file again" in text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_documentation_links_resolve(name: str) -> None:
+    """Documentation= takes URLs (systemd.unit(5)); a file:// one must name a file that an
+    install puts there. The wheel installs no documents, so none may point into /opt."""
+    for url in _directives(UNITS / f"{name}.service").get("Documentation", []):
+        for link in url.split():
+            assert re.match(r"^(https?://|man:|info:)", link), f"{name}: dead link {link}"
+
+
+def test_agent_stop_timeout_covers_its_shutdown() -> None:
+    """TimeoutStopSec= leaves the agent its HTTP server's shutdown timeout for the requests in
+    flight (read from the runner it serves with) plus 10 s to revoke its etcd lease."""
+    from aiohttp import web
+
+    from meridian_service import hygiene
+
+    runner = hygiene.runner(web.Application(), hygiene.ConnectionLimits())
+    stop = _directives(UNITS / "meridian-agent.service")["TimeoutStopSec"][-1]
+    assert int(stop.removesuffix("s")) >= runner._shutdown_timeout + 10
 
 
 @pytest.mark.parametrize("name", NAMES)

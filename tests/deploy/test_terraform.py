@@ -36,9 +36,8 @@ from typing import Any
 
 import pytest
 
-from tests.deploy import hcleval, tftemplate
+from tests.deploy import hcleval, tfdocs, tftemplate
 from tests.deploy import support as s
-from tests.support.certs import CertAuthority
 
 pytestmark = pytest.mark.deploy
 
@@ -56,26 +55,43 @@ needs_terraform = pytest.mark.skipif(
 # Variables whose values can be out of range: each must have a validation block.
 VALIDATED = {
     s.REGION: [
-        "region_id", "geo", "residency", "namespace", "endpoints", "etcd_endpoints", "model",
-        "vllm_image", "agent_image", "vllm_replicas", "gpus_per_node", "agent_replicas",
-        "slots_per_node", "vllm_port", "agent_port", "public_port", "load_balancer_ip",
-        "admin_token", "model_cache_size",
+        "region_id", "geo", "residency", "namespace", "endpoints", "etcd_endpoints",
+        "etcd_ca_cert", "etcd_client_cert", "etcd_client_key", "model", "vllm_image",
+        "agent_image", "vllm_replicas", "gpus_per_node", "agent_replicas",
+        "agent_shutdown_delay_s", "slots_per_node", "vllm_port", "agent_port", "public_port",
+        "load_balancer_ip", "admin_token", "model_cache_size",
     ],
     s.GLOBAL: [
         "namespace", "regions", "latency_ms", "etcd_replicas", "etcd_external_endpoints",
+        "etcd_ca_cert", "etcd_member_cert", "etcd_member_key", "controller_etcd_cert",
+        "controller_etcd_key", "etcd_root_cert", "etcd_root_key",
         "etcd_image", "etcd_storage_size", "etcd_load_balancer_ip", "controller_image",
         "controller_replicas", "read_port", "admin_port", "admin_load_balancer_ip",
         "admin_tls_cert", "admin_tls_key", "admin_tokens", "dns_zone", "dns_views",
         "dns_ttl_s", "tsig_secret", "external_dns_server", "bind_image", "bind_cluster_ip",
         "dns_load_balancer_ip", "dns_nameservers", "hostmaster",
     ],
-    s.EXAMPLE: ["kube_contexts", "meridian_image", "vllm_image", "etcd_image", "bind_image"],
+    s.EXAMPLE: [
+        "kube_contexts", "meridian_image", "vllm_image", "etcd_image", "bind_image",
+        "agent_etcd_certs", "agent_etcd_keys",
+    ],
 }  # fmt: skip
+# A PEM private key under a passphrase: refused (the processes read keys without one).
+ENCRYPTED_KEY = (
+    "-----BEGIN ENCRYPTED PRIVATE KEY-----\nZmFrZSBrZXk=\n-----END ENCRYPTED PRIVATE KEY-----\n"
+)
 
 
 @pytest.fixture(scope="module")
 def example() -> s.Example:
     return s.Example()
+
+
+@pytest.fixture(scope="module")
+def pki_example(tmp_path_factory: pytest.TempPathFactory) -> s.Example:
+    """The example with real certificates and keys (:func:`support.real_pki`): what its
+    Secrets hold then loads, as in a pod."""
+    return s.Example(s.real_pki(tmp_path_factory.mktemp("pki")))
 
 
 def _tf_files() -> list[Path]:
@@ -130,6 +146,26 @@ def test_every_input_and_output_is_in_the_readme(module: Path) -> None:
             assert f"`{name}`" in readme, f"{module.name}/README.md: {kind} {name} not listed"
 
 
+@pytest.mark.parametrize("module", MODULE_DIRS, ids=lambda p: p.name)
+def test_readme_tables_are_made_from_the_tf_files(module: Path) -> None:
+    """The Inputs and Outputs tables are what tests/deploy/tfdocs.py makes of variables.tf and
+    outputs.tf (`python -m tests.deploy.tfdocs` rewrites them): every row, in file order, with
+    its description, type and default as the .tf files say."""
+    readme = (module / "README.md").read_text()
+    assert tfdocs.inputs_table(module) in readme
+    assert tfdocs.outputs_table(module) in readme
+    assert tfdocs.render(module) == readme
+
+
+def test_readme_tables_render_types_and_defaults() -> None:
+    """Rows as the .tf files declare them: object types, defaults, required inputs."""
+    table = tfdocs.inputs_table(s.REGION)
+    assert "| `agent_shutdown_delay_s` |" in table and "| `number` | `5` | no |" in table
+    assert "| `etcd_client_key` | Unencrypted PEM private key" in table
+    assert '`object({ cpu = string, memory = string })` | `{ cpu = "2", memory = "1Gi" }`' in table
+    assert "| `admin_token` |" in table and "| `string` | n/a | yes |" in table
+
+
 @pytest.mark.parametrize(
     ("module", "name"),
     [(m, n) for m, names in VALIDATED.items() for n in names],
@@ -167,10 +203,84 @@ def test_the_example_passes_every_validation_block(example: s.Example) -> None:
 
 
 def test_the_example_wires_the_regions_to_the_global_etcd(example: s.Example) -> None:
-    urls = example.module("global").output("etcd_client_urls")
-    assert urls == ["http://10.30.0.100:2379"]  # the internal balancer (etcd_load_balancer_ip)
+    glob = example.module("global")
+    urls = glob.output("etcd_client_urls")
+    assert urls == ["https://10.30.0.100:2379"]  # the internal balancer (etcd_load_balancer_ip)
+    assert glob.output("etcd_tls_ip_addresses") == ["10.30.0.100"]  # so its IP is in the cert
+    assert glob.output("etcd_tls_dns_names") == ["*.etcd-peers.meridian-global.svc.cluster.local"]
+    users = glob.output("etcd_users")["regions"]
     for name in s.REGION_MODULES:
-        assert example.module(name).var["etcd_endpoints"] == urls
+        region = example.module(name)
+        assert region.var["etcd_endpoints"] == urls
+        assert region.var["etcd_ca_cert"] == glob.var["etcd_ca_cert"]  # one CA for the fleet
+        assert region.output("etcd_user") == users[region.var["region_id"]]
+    # each region its own certificate: the module block names its own region's entry
+    us_east = example.module("us_east").var["etcd_client_cert"]
+    assert example.inputs("us_east")["etcd_client_cert"] == us_east
+    assert 'agent_etcd_certs["us-east"]' in (s.EXAMPLE / "main.tf").read_text()
+
+
+def test_the_examples_etcd_certificates_fit_the_modules(tmp_path: Path) -> None:
+    """The `openssl` commands of the example's README, "etcd certificates", run as written:
+    their certificates and keys pass every validation block as the example's variables, the
+    members' certificate names outputs etcd_tls_dns_names and etcd_tls_ip_addresses, and each
+    client certificate's CN is the etcd user output etcd_users gives it."""
+    readme = (s.EXAMPLE / "README.md").read_text()
+    section = readme[readme.index("## etcd certificates") :]
+    script = section[section.index("```sh\n") + 6 : section.index("```\n", 10)]
+    assert "mkdir pki" in script and "openssl x509 -req" in script
+    done = subprocess.run(["bash", "-euc", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pki = tmp_path / "pki"
+
+    def pem(name: str) -> str:
+        return (pki / name).read_text()
+
+    variables = {
+        **s.EXAMPLE_VARS,
+        "etcd_ca_cert": pem("etcd-ca.crt"),
+        "etcd_member_cert": pem("member.crt"),
+        "etcd_member_key": pem("member.key"),
+        "controller_etcd_cert": pem("meridian-controller.crt"),
+        "controller_etcd_key": pem("meridian-controller.key"),
+        "etcd_root_cert": pem("root.crt"),
+        "etcd_root_key": pem("root.key"),
+        "agent_etcd_certs": {r: pem(f"agent-{r}.crt") for r in s.REGION_IDS},
+        "agent_etcd_keys": {r: pem(f"agent-{r}.key") for r in s.REGION_IDS},
+    }
+    example = s.Example(variables)
+    assert example.root.invalid() == []
+    for name in example.blocks:
+        assert example.module(name).invalid() == [], name
+    glob = example.module("global")
+    sans = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(pki / "member.crt")],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    for dns in glob.output("etcd_tls_dns_names"):
+        assert f"DNS:{dns}" in sans, sans
+    for ip in glob.output("etcd_tls_ip_addresses"):
+        assert f"IP Address:{ip}" in sans, sans
+    users = glob.output("etcd_users")
+    assert s.subject_cn(pki / "root.crt") == users["root"]
+    assert s.subject_cn(pki / "meridian-controller.crt") == users["controller"]
+    for region, user in users["regions"].items():
+        assert s.subject_cn(pki / f"agent-{region}.crt") == user
+
+
+def test_the_admin_certificate_names_what_meridianctl_dials(example: s.Example) -> None:
+    """The example's MERIDIAN_URL is the admin balancer's address: the certificate must carry it
+    as an IP subjectAltName, and the outputs say so."""
+    glob = example.module("global")
+    address = glob.var["admin_load_balancer_ip"]
+    assert glob.output("admin_tls_ip_addresses") == [address] == ["10.30.0.91"]
+    assert example.root.output("admin_tls_ip_addresses") == [address]
+    readme = (s.EXAMPLE / "README.md").read_text()
+    assert f"MERIDIAN_URL=https://{address}:{glob.var['admin_port']}" in readme
+    assert "admin_tls_ip_addresses" in readme
+    without = hcleval.Module(s.GLOBAL, {**example.inputs("global"), "admin_load_balancer_ip": None})
+    assert without.output("admin_tls_ip_addresses") == []
 
 
 def test_delegation_records(example: s.Example) -> None:
@@ -193,7 +303,14 @@ def _regions() -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def _bad_values() -> list[tuple[Path, str, Any, str]]:
+def _bad_values() -> list[tuple[Path, str, Any, str, str]]:
+    """(module, variable, value, words of the message, the variable whose validation refuses
+    it: the variable itself unless a fifth element says which)."""
+    rows = _bad_rows()
+    return [(*row, row[1]) if len(row) == 4 else row for row in rows]
+
+
+def _bad_rows() -> list[tuple[Any, ...]]:
     us, eu = _regions()
     r, g = s.REGION, s.GLOBAL
     token = {"name": "a", "role": "admin", "sha256": "0" * 64}
@@ -205,7 +322,17 @@ def _bad_values() -> list[tuple[Path, str, Any, str]]:
         (r, "namespace", "default", "namespace must be a DNS label"),
         (r, "endpoints", ["ftp://192.0.2.10"], "endpoints must hold"),
         (r, "endpoints", [], "endpoints must hold"),
-        (r, "etcd_endpoints", ["https://10.0.0.1:2379"], "mounts no etcd CA"),
+        (r, "etcd_endpoints", ["http://10.0.0.1:2379"], "plaintext http:// but etcd_ca_cert"),
+        (r, "etcd_endpoints", ["https://10.0.0.1:2379", "http://10.0.0.2:2379"], "all of one"),
+        (r, "etcd_endpoints", ["https://10.0.0.1:2379/v3"], "etcd_endpoints must hold"),
+        (r, "etcd_ca_cert", None, "https:// etcd_endpoints need etcd_ca_cert", "etcd_endpoints"),
+        (r, "etcd_ca_cert", "ca.crt", "etcd_ca_cert must be a PEM certificate"),
+        (r, "etcd_client_cert", None, "need etcd_client_cert and", "etcd_endpoints"),
+        (r, "etcd_client_cert", s.FAKE_KEY, "etcd_client_cert must be a PEM certificate"),
+        (r, "etcd_client_key", None, "and etcd_client_key: the region's", "etcd_endpoints"),
+        (r, "etcd_client_key", ENCRYPTED_KEY, "must be an unencrypted PEM private key"),
+        (r, "etcd_client_key", s.FAKE_CERT, "must be an unencrypted PEM private key"),
+        (r, "agent_shutdown_delay_s", 90, "agent_shutdown_delay_s must be"),
         (r, "model", " ", "model must name"),
         (r, "vllm_image", "vllm/vllm-openai:latest", "pinned by digest"),
         (r, "agent_image", "meridian:0.1.0", "pinned by digest"),
@@ -226,7 +353,14 @@ def _bad_values() -> list[tuple[Path, str, Any, str]]:
         (g, "regions", [{**us, "lat": 91}], "lat must be within"),
         (g, "latency_ms", {"us-east": {"eu-west": -1}}, "must be >= 0"),
         (g, "etcd_replicas", 4, "etcd_replicas must be 3 or 5"),
-        (g, "etcd_external_endpoints", ["https://10.0.0.1:2379"], "mounts no etcd CA"),
+        (g, "etcd_external_endpoints", ["http://10.0.0.1:2379"], "over TLS only"),
+        (g, "etcd_ca_cert", "-----BEGIN CERTIFICATE-----", "etcd_ca_cert must be a PEM"),
+        (g, "etcd_member_cert", None, "unless etcd_external_endpoints is set"),
+        (g, "etcd_member_key", ENCRYPTED_KEY, "etcd_member_key must be an unencrypted"),
+        (g, "controller_etcd_cert", "meridian-controller.crt", "with CN meridian-controller"),
+        (g, "controller_etcd_key", s.FAKE_CERT, "controller_etcd_key must be an unencrypted"),
+        (g, "etcd_root_cert", "", "etcd_root_cert must be a PEM certificate"),
+        (g, "etcd_root_key", ENCRYPTED_KEY, "etcd_root_key must be an unencrypted"),
         (g, "etcd_image", "etcd:v3.5", "pinned by digest"),
         (g, "etcd_storage_size", "20GB", "etcd_storage_size must be"),
         (g, "etcd_load_balancer_ip", "etcd.example", "etcd_load_balancer_ip must be"),
@@ -266,6 +400,10 @@ def _good_values() -> list[tuple[Path, str, Any]]:
         (r, "gpus_per_node", 8),
         (r, "residency", ["eu", "de"]),
         (r, "endpoints", ["https://eu.example.com:8443", "http://198.51.100.11"]),
+        (r, "etcd_endpoints", ["https://etcd-1.example.internal", "https://[2001:db8::1]:2379"]),
+        (r, "etcd_client_key", s.FAKE_KEY.replace("PRIVATE KEY", "EC PRIVATE KEY")),
+        (r, "agent_shutdown_delay_s", 0),
+        (g, "etcd_external_endpoints", ["https://etcd-1.example.internal:2379"]),
         (g, "etcd_replicas", 3),
         (g, "tsig_secret", "bWVyaWRpYW4tdHNpZy1zZWNyZXQtYnl0ZXM="),  # ASCII bytes, padded
         (g, "external_dns_server", "2001:db8::53"),
@@ -284,18 +422,18 @@ def _baseline(example: s.Example, module: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("module", "name", "value", "message"), _bad_values(), ids=_ids(_bad_values())
+    ("module", "name", "value", "message", "refused_on"), _bad_values(), ids=_ids(_bad_values())
 )
 def test_validation_refuses_an_out_of_range_value(
-    example: s.Example, module: Path, name: str, value: Any, message: str
+    example: s.Example, module: Path, name: str, value: Any, message: str, refused_on: str
 ) -> None:
-    """Every validation condition of ``name`` evaluated by hcleval on the example's values with
-    ``name`` replaced: one refuses it with a message that says what to write, and no other
-    variable is refused."""
+    """Every validation condition evaluated by hcleval on the example's values with ``name``
+    replaced: one refuses it with a message that says what to write, and no other variable
+    than ``refused_on`` (``name`` itself, or the one whose validation ties them) is refused."""
     evaluated = hcleval.Module(module, {**_baseline(example, module), name: value})
     refused = evaluated.invalid()
     assert refused, f"{name}={value!r} was accepted"
-    assert {r.variable for r in refused} == {name}
+    assert {r.variable for r in refused} == {refused_on}
     assert any(message in r.message for r in refused), [r.message for r in refused]
 
 
@@ -305,6 +443,52 @@ def test_validation_accepts_an_in_range_value(
 ) -> None:
     evaluated = hcleval.Module(module, {**_baseline(example, module), name: value})
     assert evaluated.invalid() == []
+
+
+CYCLIC_VARIABLES = """
+variable "a" {
+  type    = string
+  default = "x"
+  validation {
+    condition     = var.a != "" || var.b != ""
+    error_message = "a or b must be set."
+  }
+}
+
+variable "b" {
+  type    = string
+  default = "y"
+  validation {
+    condition     = var.b == "" || var.a != ""
+    error_message = "b needs a."
+  }
+}
+"""
+
+
+def test_validations_that_refer_to_each_other_are_a_cycle(tmp_path: Path) -> None:
+    """Terraform refuses two variables whose validations refer to each other (the region
+    module's TLS inputs once did): hcleval refuses them too, so CI, without the binary, sees it;
+    one-way references (the modules' own) are fine."""
+    (tmp_path / "variables.tf").write_text(CYCLIC_VARIABLES)
+    with pytest.raises(hcleval.HclError, match=r"Cycle: var\.a \(validation\), var\.b"):
+        hcleval.Module(tmp_path, {})
+    (tmp_path / "variables.tf").write_text(
+        CYCLIC_VARIABLES.replace('var.b == "" || var.a', "var.b")
+    )
+    assert hcleval.Module(tmp_path, {}).invalid() == []
+
+
+@needs_terraform
+def test_terraform_refuses_the_same_cycle(tmp_path: Path) -> None:
+    work = tmp_path / "module"
+    work.mkdir()
+    (work / "variables.tf").write_text(CYCLIC_VARIABLES)
+    env = s.terraform_env(tmp_path)
+    s.terraform(["init", "-input=false", "-backend=false"], cwd=work, env=env)
+    proc = s.terraform(["plan", "-input=false", "-lock=false"], cwd=work, env=env, check=False)
+    assert proc.returncode != 0 and "Cycle:" in proc.stderr, proc.stdout + proc.stderr
+    assert "var.a (validation)" in proc.stderr and "var.b (validation)" in proc.stderr
 
 
 def test_a_real_tsig_secret_is_accepted(example: s.Example) -> None:
@@ -330,62 +514,142 @@ def test_a_missing_or_mistyped_input_is_refused(example: s.Example) -> None:
 # -- the rendered configs pass Meridian's --check-config ---------------------------------------
 
 
+def _referenced(rendered: str, directory: str) -> set[str]:
+    """The files of ``directory`` a rendered config names (``"<directory>/<file>"``)."""
+    return set(re.findall(rf'"{re.escape(directory)}/([^"/]+)"', rendered))
+
+
 @pytest.mark.parametrize("name", s.REGION_MODULES)
-def test_agent_template_passes_check_config(example: s.Example, name: str, tmp_path: Path) -> None:
-    """As an agent pod loads it: the rendered agent.toml (the ConfigMap), the admin token in a
-    file (the Secret's mount, moved to a temporary directory: the only change), no
-    MERIDIAN_AGENT_* variable. The token itself is never printed."""
-    module = example.module(name)
+def test_agent_template_passes_check_config(
+    pki_example: s.Example, name: str, tmp_path: Path
+) -> None:
+    """As an agent pod loads it: the rendered agent.toml (the ConfigMap) and the region's
+    Secret as the kubelet mounts it (moved to a temporary directory: the only change), no
+    MERIDIAN_AGENT_* variable. Every file the settings name is a key of the Secret and every
+    key is named; the admin token and the etcd TLS files are read as at a start (the pair
+    must be a certificate and its key). The token itself is never printed."""
+    module = pki_example.module(name)
     rendered = module.local["agent_config"]
     secrets_dir = module.local["secrets_dir"]
-    assert rendered.count(f'"{secrets_dir}/admin-token"') == 1
-    (tmp_path / "admin-token").write_text(module.var["admin_token"])
+    data = module.local["agent_secret_data"]
+    assert _referenced(rendered, secrets_dir) == set(data)
+    assert set(data) == {"admin-token", "etcd-ca.crt", "etcd-client.crt", "etcd-client.key"}
+    s.write_secret(data, tmp_path)
     path = tmp_path / "agent.toml"
     path.write_text(rendered.replace(f"{secrets_dir}/", f"{tmp_path}/"))
     done = s.check_config("meridian-agent", path)
     assert done.returncode == 0, done.stderr
     assert module.var["admin_token"] not in done.stdout + done.stderr
+    assert module.var["etcd_client_key"] not in done.stdout + done.stderr
     printed = tomllib.loads(done.stdout)
     region = printed["region"]
     assert region["id"] == module.var["region_id"] and region["geo"] == module.var["geo"]
     assert region["residency"] == module.var["residency"]
     assert region["endpoints"] == module.var["endpoints"]
-    assert region["etcd"] == ["http://10.30.0.100:2379"]
+    assert region["etcd"] == ["https://10.30.0.100:2379"]
+    assert region["etcd_ca_file"] == str(tmp_path / "etcd-ca.crt")
+    assert region["etcd_cert_file"] == str(tmp_path / "etcd-client.crt")
+    assert region["etcd_key_file"] == str(tmp_path / "etcd-client.key")
+    # the region's own certificate: its CN is the etcd user of the region's role
+    assert s.subject_cn(tmp_path / "etcd-client.crt") == module.output("etcd_user")
+    assert module.output("etcd_user") == f"agent-{module.var['region_id']}"
     assert len(printed["nodes"]) == module.var["vllm_replicas"]
     assert printed["nodes"][0]["url"] == "http://vllm-0.vllm-nodes.meridian.svc.cluster.local:8000"
     assert printed["server"] == {**printed["server"], "host": "0.0.0.0", "port": 8080}
     assert printed["queue"]["slots_per_node"] == module.var["slots_per_node"]
     assert printed["admin"]["token_file"] == str(tmp_path / "admin-token")
-    (tmp_path / "admin-token").write_text("")  # the file is read as at a start: empty is refused
+    # the files are read as at a start: an empty token, a key not the certificate's, refused
+    (tmp_path / "admin-token").write_text("")
     done = s.check_config("meridian-agent", path)
     assert done.returncode == 2 and "admin-token is empty" in done.stderr, done.stderr
+    (tmp_path / "admin-token").write_text(data["admin-token"])
+    (tmp_path / "etcd-client.key").write_text(pki_example.module("global").var["etcd_root_key"])
+    done = s.check_config("meridian-agent", path)
+    assert done.returncode == 2 and "region.etcd_key_file" in done.stderr, done.stderr
+
+
+def test_a_plaintext_region_renders_no_etcd_tls(example: s.Example, tmp_path: Path) -> None:
+    """http:// etcd endpoints without the TLS inputs (an etcd of yours on a private network):
+    valid, and the agent's settings and Secret carry no etcd TLS file, as the agent requires."""
+    inputs = {
+        **example.inputs("us_east"),
+        "etcd_endpoints": ["http://10.30.0.100:2379"],
+        "etcd_ca_cert": None,
+        "etcd_client_cert": None,
+        "etcd_client_key": None,
+    }
+    module = hcleval.Module(s.REGION, inputs)
+    assert module.invalid() == []
+    rendered = module.local["agent_config"]
+    assert "etcd_ca_file" not in rendered and "etcd_cert_file" not in rendered
+    assert set(module.local["agent_secret_data"]) == {"admin-token"}
+    s.write_secret(module.local["agent_secret_data"], tmp_path)
+    path = tmp_path / "agent.toml"
+    path.write_text(rendered.replace(f"{module.local['secrets_dir']}/", f"{tmp_path}/"))
+    done = s.check_config("meridian-agent", path)
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(done.stdout)["region"]["etcd"] == ["http://10.30.0.100:2379"]
+
+
+def test_the_agents_shutdown_fits_the_grace_period(example: s.Example) -> None:
+    """terminationGracePeriodSeconds covers the preStop sleep, the time the agent gives the
+    requests in flight at SIGTERM (its runner's shutdown timeout, read from the runner the agent
+    serves with) and a margin for the lease revocation; the Deployment uses exactly these."""
+    from aiohttp import web
+
+    from meridian_service import hygiene
+
+    runner = hygiene.runner(web.Application(), hygiene.ConnectionLimits())
+    region = example.module("us_east")
+    assert region.local["agent_shutdown_timeout_s"] == runner._shutdown_timeout
+    grace = region.local["agent_termination_grace_s"]
+    assert grace == region.var["agent_shutdown_delay_s"] + runner._shutdown_timeout + 10
+    main = (s.REGION / "main.tf").read_text()
+    assert "termination_grace_period_seconds = local.agent_termination_grace_s" in main
+    assert 'command = ["sleep", tostring(var.agent_shutdown_delay_s)]' in main
+    agent = next(b for n, b in _workloads() if n.endswith("kubernetes_deployment_v1.agent"))
+    rolling = agent["spec"][0]["strategy"][0]["rolling_update"][0]
+    # required one-per-host anti-affinity: a rollout that surged would need a spare node
+    assert (s.unquote(rolling["max_surge"]), s.unquote(rolling["max_unavailable"])) == ("0", "1")
 
 
 def _controller_files(example: s.Example, tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """The rendered controller.toml with the TLS Secret's mount moved to a temporary directory
-    holding a real certificate, key and CA (made with openssl), and the environment a replica
-    gets: the TSIG secret from its Secret and its advertised URL."""
-    tls = tmp_path / "tls"
-    ca = CertAuthority.create(tls, name="ca")
-    ca.issue("admin", serial=21)
-    rendered = example.module("global").local["controller_config"]
-    assert rendered.count(f"{TLS_DIR}/") == 3
+    holding what the Secret holds (real certificates and keys with ``pki_example``), and the
+    environment a replica gets: the TSIG secret from its Secret and its advertised URL. Every
+    file the settings name under the mount is a key of the Secret and every key is named."""
+    glob = example.module("global")
+    data = glob.local["controller_tls_data"]
+    rendered = glob.local["controller_config"]
+    assert _referenced(rendered, TLS_DIR) == set(data)
+    assert set(data) == {
+        "admin.crt", "admin.key", "ca.crt",
+        "etcd-ca.crt", "meridian-controller.crt", "meridian-controller.key",
+    }  # fmt: skip
+    tls = s.write_secret(data, tmp_path / "tls")
     path = tmp_path / "controller.toml"
     path.write_text(rendered.replace(f"{TLS_DIR}/", f"{tls}/"))
     env = s.clean_env(
-        MERIDIAN_CONTROLLER_DNS__TSIG__SECRET=example.module("global").var["tsig_secret"],
+        MERIDIAN_CONTROLLER_DNS__TSIG__SECRET=glob.var["tsig_secret"],
         MERIDIAN_CONTROLLER_API__ADVERTISE_URL=ADVERTISE,
     )
     return path, env
 
 
-def test_controller_template_passes_check_config(example: s.Example, tmp_path: Path) -> None:
-    path, env = _controller_files(example, tmp_path)
+def test_controller_template_passes_check_config(pki_example: s.Example, tmp_path: Path) -> None:
+    path, env = _controller_files(pki_example, tmp_path)
     done = s.check_config("meridian-controller", path, env=env)
     assert done.returncode == 0, done.stderr
     assert s.FAKE_TSIG not in done.stdout + done.stderr
     printed = tomllib.loads(done.stdout)
-    inputs = example.inputs("global")
+    inputs = pki_example.inputs("global")
+    etcd = printed["etcd"]
+    assert all(url.startswith("https://") for url in etcd["endpoints"])
+    assert etcd["ca_file"] == str(tmp_path / "tls" / "etcd-ca.crt")
+    assert etcd["cert_file"] == str(tmp_path / "tls" / "meridian-controller.crt")
+    assert etcd["key_file"] == str(tmp_path / "tls" / "meridian-controller.key")
+    assert s.subject_cn(tmp_path / "tls" / "meridian-controller.crt") == "meridian-controller"
+    assert pki_example.module("global").output("etcd_users")["controller"] == "meridian-controller"
     assert [r["id"] for r in printed["regions"]] == [r["id"] for r in inputs["regions"]]
     assert printed["regions"][1]["residency"] == ["eu"]
     assert printed["regions"][1]["backups"] == ["eu-central"]
@@ -403,24 +667,33 @@ def test_controller_template_passes_check_config(example: s.Example, tmp_path: P
     assert printed["dns"]["tsig"]["secret"] == "***"
 
 
-def test_the_controller_template_needs_its_secret(example: s.Example, tmp_path: Path) -> None:
-    """Without the Secret's TSIG variable a replica does not start: --check-config says so."""
-    path, env = _controller_files(example, tmp_path)
+def test_the_controller_template_needs_its_secret(
+    pki_example: s.Example, example: s.Example, tmp_path: Path
+) -> None:
+    """Without the Secret's TSIG variable a replica does not start: --check-config says so;
+    nor with the fake (not PEM) etcd CA of the plain example, naming etcd.ca_file."""
+    path, env = _controller_files(pki_example, tmp_path)
+    done = s.check_config("meridian-controller", path, env={**env})
+    assert done.returncode == 0, done.stderr
     del env["MERIDIAN_CONTROLLER_DNS__TSIG__SECRET"]
     done = s.check_config("meridian-controller", path, env=env)
     assert done.returncode == 2
     assert "dns.tsig.secret" in done.stderr, done.stderr
+    path, env = _controller_files(example, tmp_path / "fake")
+    done = s.check_config("meridian-controller", path, env=env)
+    assert done.returncode == 2
+    assert "etcd.ca_file" in done.stderr and "holds no PEM CA" in done.stderr, done.stderr
 
 
-def test_bind_files_pass_named_checkconf(example: s.Example, tmp_path: Path) -> None:
+def test_bind_files_pass_named_checkconf(pki_example: s.Example, tmp_path: Path) -> None:
     """What the BIND pod runs with: named.conf (rendered), the keys and views its init
     container writes with the real ``meridian-controller dns bind-config``, and the zone seeds
     (rendered, one per view); the paths moved into a temporary directory. named-checkconf -z
     loads every zone."""
     checkconf = shutil.which("named-checkconf", path=f"{os.environ['PATH']}:/usr/sbin:/sbin")
     assert checkconf, "named-checkconf is missing: run `make setup` (bind9-utils)"
-    glob = example.module("global")
-    config, env = _controller_files(example, tmp_path)
+    glob = pki_example.module("global")
+    config, env = _controller_files(pki_example, tmp_path)
     zones = tmp_path / "zones"
     zones.mkdir()
     bind_config = subprocess.run(
@@ -459,15 +732,19 @@ def test_templates_stay_within_the_tested_subset() -> None:
 # -- every workload is hardened ----------------------------------------------------------------
 
 
+WORKLOADS = ("kubernetes_deployment_v1", "kubernetes_stateful_set_v1", "kubernetes_job_v1")
+
+
 def _workloads() -> Iterator[tuple[str, dict[str, Any]]]:
     for module in (s.REGION, s.GLOBAL):
         for rtype, name, body in s.resources(module):
-            if rtype in ("kubernetes_deployment_v1", "kubernetes_stateful_set_v1"):
+            if rtype in WORKLOADS:
                 yield f"{module.name}.{rtype}.{name}", body
 
 
 def test_there_are_workloads() -> None:
-    assert len(list(_workloads())) >= 5
+    names = [n for n, _ in _workloads()]
+    assert len(names) >= 6 and "global.kubernetes_job_v1.etcd_bootstrap" in names
 
 
 @pytest.mark.parametrize(
@@ -498,7 +775,7 @@ def test_workload_security(name: str, body: dict[str, Any]) -> None:
         assert s.unquote(sc["seccomp_profile"][0]["type"]) == "RuntimeDefault", where
         assert c["resources"][0]["limits"] and c["resources"][0]["requests"], where
         assert "@sha256" in s.unquote(c["image"]) or c["image"].startswith("${var."), where
-        if kind == "container":
+        if kind == "container" and "kubernetes_job_v1" not in name:  # a Job's pod just ends
             assert c.get("liveness_probe") and c.get("readiness_probe"), where
 
 
@@ -523,35 +800,66 @@ def test_uid_is_high() -> None:
 # -- checkov -----------------------------------------------------------------------------------
 
 
-def _checkov() -> str:
-    checkov = os.environ.get("CHECKOV") or shutil.which("checkov")
-    assert checkov, "checkov is missing: run `make test-deploy` (it installs it in .venv-deploy)"
-    return checkov
+def _skip_comments() -> list[tuple[Path, str, str]]:
+    """(file, check id, reason) of every ``#checkov:skip=`` comment under deploy/terraform."""
+    found = []
+    for tf in _tf_files():
+        for line in tf.read_text().splitlines():
+            if "checkov:skip=" in line:
+                match = re.search(r"#checkov:skip=(CKV\w*_\d+):(.*)$", line)
+                assert match, f"{tf}: {line.strip()}"
+                found.append((tf, match.group(1), match.group(2).strip()))
+    return found
 
 
 def test_checkov_passes() -> None:
     """checkov -d deploy/terraform --framework terraform: zero failed checks, and every skip
-    carries its reason in the code (#checkov:skip=CKV_...:reason). --skip-download: checkov
+    carries its reason in the code (#checkov:skip=CKV_...:reason) and skips a check that checkov
+    runs there (a skip of a check that no longer applies is stale). --skip-download: checkov
     would otherwise fetch its guideline links from the vendor's API, which is not reachable."""
     proc = subprocess.run(
-        [_checkov(), "-d", str(s.TERRAFORM), "--framework", "terraform", "--compact",
+        [s.checkov_binary(), "-d", str(s.TERRAFORM), "--framework", "terraform", "--compact",
          "--skip-download", "-o", "json"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
-    report = json.loads(proc.stdout)
-    assert isinstance(report, dict) and report["check_type"] == "terraform", proc.stdout[:2000]
-    summary = report["summary"]
-    assert summary["failed"] == 0, json.dumps(report["results"]["failed_checks"], indent=1)
-    assert summary["parsing_errors"] == 0, report["results"]["parsing_errors"]
+    summary, results = s.checkov_report(proc.stdout, "terraform")
+    assert summary["failed"] == 0, json.dumps(results["failed_checks"], indent=1)
+    assert summary["parsing_errors"] == 0, results["parsing_errors"]
     assert summary["passed"] > 100, summary
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for skipped in report["results"]["skipped_checks"]:
+    comments = _skip_comments()
+    for _, check, reason in comments:
+        assert len(reason) > 30, (check, reason)
+    if "skipped_checks" not in results["listed"]:  # --quiet (or another checkov): no list
+        assert summary["skipped"] >= len(comments) > 0, summary
+        return
+    assert summary["skipped"] == len(results["skipped_checks"]), summary
+    for skipped in results["skipped_checks"]:
         reason = skipped["check_result"].get("suppress_comment", "")
         assert len(reason) > 30, (skipped["check_id"], skipped["resource"], reason)
-    for tf in _tf_files():
-        for line in tf.read_text().splitlines():
-            if "checkov:skip=" in line:
-                assert re.search(r"#checkov:skip=CKV\w*_\d+:.{30,}", line), f"{tf}: {line.strip()}"
+    applied = {
+        (Path(c["file_abs_path"]).resolve(), c["check_id"]) for c in results["skipped_checks"]
+    }
+    for tf, check, _ in comments:
+        assert (tf.resolve(), check) in applied, f"{tf}: #checkov:skip={check} skips nothing"
+
+
+def test_checkov_report_without_skipped_checks() -> None:
+    """What ``--quiet`` prints (checkov 3.3.30): no passed or skipped lists. Read as empty,
+    and said to be missing, rather than a KeyError; a list of reports is searched by type."""
+    quiet = json.dumps({
+        "check_type": "terraform",
+        "results": {"failed_checks": []},
+        "summary": {"passed": 130, "failed": 0, "skipped": 9, "parsing_errors": 0},
+    })  # fmt: skip
+    summary, results = s.checkov_report(quiet, "terraform")
+    assert summary["skipped"] == 9 and results["skipped_checks"] == []
+    assert results["listed"] == ["failed_checks"]
+    several = json.dumps([{"check_type": "dockerfile", "summary": {"failed": 1}},
+                          json.loads(quiet)])  # fmt: skip
+    assert s.checkov_report(several, "terraform")[0]["passed"] == 130
+    with pytest.raises(AssertionError, match="no single kubernetes report"):
+        s.checkov_report(quiet, "kubernetes")
 
 
 # -- with the real Terraform -------------------------------------------------------------------
@@ -564,8 +872,11 @@ def _terraform_outputs(
     ``outputs`` (name -> expression), from ``terraform apply`` of no resource at all."""
     work = s.scratch_module(module, tmp / "module", files)
     (work / "terraform.tfvars.json").write_text(json.dumps(tfvars))
-    (work / "compare.tf").write_text(
-        "".join(f'output "compare_{k}" {{\n  value = {v}\n}}\n' for k, v in outputs.items())
+    (work / "compare.tf").write_text(  # sensitive: some values come from sensitive inputs
+        "".join(
+            f'output "compare_{k}" {{\n  value     = {v}\n  sensitive = true\n}}\n'
+            for k, v in outputs.items()
+        )
     )
     env = s.terraform_env(tmp)
     s.terraform(["init", "-input=false", "-backend=false"], cwd=work, env=env)
@@ -596,6 +907,12 @@ def test_terraform_renders_what_hcleval_renders(example: s.Example, tmp_path: Pa
         "glue": "local.glue",
         "latency": "local.latency",
         "members": "local.etcd_client_urls",
+        "etcd_args": "local.etcd_args",
+        "etcd_tls_data": "local.etcd_tls_data",
+        "controller_tls_data": "local.controller_tls_data",
+        "bootstrap_data": "local.bootstrap_data",
+        "bootstrap_command": "local.bootstrap_command",
+        "bootstrap_job_name": "local.bootstrap_job_name",
     }
     got = _terraform_outputs(
         s.GLOBAL, ["variables.tf", "config.tf", "outputs.tf"], wanted,
@@ -603,11 +920,18 @@ def test_terraform_renders_what_hcleval_renders(example: s.Example, tmp_path: Pa
     )  # fmt: skip
     for key, expr in wanted.items():
         assert got[key] == glob.evaluate(expr), key
-    for name in ("etcd_client_urls", "dns_delegation_records", "admin_tls_dns_names", "dns_server"):
+    outputs = [b.labels[0] for b in hcleval.load_file(s.GLOBAL / "outputs.tf").children("output")]
+    assert {"etcd_tls_dns_names", "etcd_users", "admin_tls_ip_addresses"} <= set(outputs)
+    for name in outputs:
         assert got[name] == glob.output(name), name
     for name in s.REGION_MODULES:
         region = example.module(name)
-        wanted = {"agent_config": "local.agent_config", "node_urls": "local.vllm_node_urls"}
+        wanted = {
+            "agent_config": "local.agent_config",
+            "node_urls": "local.vllm_node_urls",
+            "secret": "local.agent_secret_data",
+            "grace": "local.agent_termination_grace_s",
+        }
         got = _terraform_outputs(
             s.REGION, ["variables.tf", "config.tf"], wanted, example.inputs(name),
             tmp_path / name,
@@ -650,9 +974,30 @@ def _plan(
         bad.unlink()
 
 
+def _words(text: str) -> str:
+    """Terraform's diagnostics as plain words: its box-drawing margin dropped and every run of
+    whitespace one space, since it wraps a long message over several lines."""
+    return re.sub(r"\s+", " ", re.sub(r"[│╷╵]", " ", text)).strip()
+
+
+def test_wrapped_messages_are_compared_as_words() -> None:
+    """A message as Terraform 1.11 prints it, wrapped at 80 columns in its margin."""
+    printed = (
+        "╷\n│ Error: Invalid value for variable\n│\n│   on variables.tf line 59:\n"
+        "│ etcd_endpoints must hold at least one https://host:2379 URL (or\n"
+        "│ http://host:2379 ones), all of one scheme: the agent never mixes TLS and\n"
+        "│ plaintext members.\n╵\n"
+    )
+    message = (
+        "etcd_endpoints must hold at least one https://host:2379 URL (or http://host:2379 "
+        "ones), all of one scheme: the agent never mixes TLS and plaintext members."
+    )
+    assert message not in printed and _words(message) in _words(printed)
+
+
 @needs_terraform
 @pytest.mark.parametrize(
-    ("module", "name", "value", "message"), _bad_values(), ids=_ids(_bad_values())
+    ("module", "name", "value", "message", "refused_on"), _bad_values(), ids=_ids(_bad_values())
 )
 def test_terraform_refuses_what_hcleval_refuses(
     example: s.Example,
@@ -660,19 +1005,20 @@ def test_terraform_refuses_what_hcleval_refuses(
     name: str,
     value: Any,
     message: str,
+    refused_on: str,
     validation_modules: dict[Path, tuple[Path, dict[str, str]]],
 ) -> None:
     """The same out-of-range value through ``terraform plan``: refused, with every message
-    the Python evaluation gives."""
+    the Python evaluation gives (compared as words: Terraform wraps long messages)."""
     work, env = validation_modules[module]
     proc = _plan(work, env, name, value)
     assert proc.returncode != 0, f"{name}={value!r} was accepted"
-    text = re.sub(r"\s+", " ", re.sub(r"[│╷╵]", " ", proc.stderr))
+    text = _words(proc.stderr)
     assert "Invalid value for variable" in text, text
-    assert message in text, text
+    assert _words(message) in text, text
     python = hcleval.Module(module, {**_baseline(example, module), name: value}).invalid()
     for refused in python:
-        assert re.sub(r"\s+", " ", refused.message) in text, (refused.message, text)
+        assert _words(refused.message) in text, (refused.message, text)
     assert text.count("Invalid value for variable") == len(python), text
 
 

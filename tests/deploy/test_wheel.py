@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.support import DEPLOY, ROOT
+from tests.deploy.support import DEPLOY, ROOT, tls_copy
+from tests.support.etcd import make_certs
 
 pytestmark = pytest.mark.deploy
 
@@ -198,11 +199,18 @@ def test_the_simulator_finds_its_profile_in_the_wheel(simulated_node: str) -> No
     assert [m["id"] for m in models["data"]] == ["meta-llama/Meta-Llama-3-8B-Instruct"]
 
 
-def test_the_installed_agent_checks_the_example(installed: Installed) -> None:
+def test_the_installed_agent_checks_the_example(installed: Installed, tmp_path: Path) -> None:
     """The example agent.toml through the installed wheel's --check-config: the imports the
-    check needs at run time are all declared dependencies."""
-    out = _run(
-        [installed.bin("meridian-agent"), "--check-config", DEPLOY / "examples" / "agent.toml"],
-        cwd=installed.work,
-    )
-    assert tomllib.loads(out)["region"]["id"] == "eu-west"
+    check needs at run time are all declared dependencies, loading the etcd CA and client pair
+    (grpc, ssl) included. Its /etc/meridian/tls/ files are moved to real ones (openssl)."""
+    certs = make_certs(tmp_path / "pki", clients=["agent-eu-west"])
+    copy = tmp_path / "agent.toml"
+    copy.write_text(tls_copy(DEPLOY / "examples" / "agent.toml", tmp_path / "tls", {
+        "etcd-ca.crt": certs.ca,
+        "agent-eu-west.crt": certs.cert("agent-eu-west"),
+        "agent-eu-west.key": certs.key("agent-eu-west"),
+    }))  # fmt: skip
+    out = _run([installed.bin("meridian-agent"), "--check-config", copy], cwd=installed.work)
+    region = tomllib.loads(out)["region"]
+    assert region["id"] == "eu-west"
+    assert region["etcd_cert_file"] == str(tmp_path / "tls" / "agent-eu-west.crt")

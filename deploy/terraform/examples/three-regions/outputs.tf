@@ -55,3 +55,8 @@ output "etcd_client_urls" {
   description = "etcd client URLs the agents use."
   value       = module.global.etcd_client_urls
 }
+
+output "etcd_bootstrap_job" {
+  description = "The etcd-bootstrap Job of this apply, in namespace meridian-global: its log says what it changed."
+  value       = module.global.etcd_bootstrap_job
+}

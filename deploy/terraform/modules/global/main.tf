@@ -574,10 +574,9 @@ resource "kubernetes_secret_v1" "etcd_bootstrap" {
 # etcd holds, so running it again is safe: it runs at the first apply and, under a new name,
 # whenever the controllers' settings or root's certificate change (a region added), and
 # `terraform apply -replace` runs it once more. Terraform waits for it to complete.
+# (checkov's Terraform checks of pods skip Jobs, as they skip StatefulSets: tests/deploy's
+# test_workload_security checks this one's hardening.)
 resource "kubernetes_job_v1" "etcd_bootstrap" {
-  #checkov:skip=CKV_K8S_14:the image is var.controller_image, which variables.tf validates to be pinned by digest (repository@sha256:...); checkov cannot resolve the variable
-  #checkov:skip=CKV_K8S_43:the image is var.controller_image, which variables.tf validates to be pinned by digest; checkov cannot resolve the variable
-  #checkov:skip=CKV_K8S_15:a digest-pinned image cannot change, so IfNotPresent is right: Always would make every pod start depend on the registry being up
   metadata {
     name      = local.bootstrap_job_name
     namespace = kubernetes_namespace_v1.global.metadata[0].name

@@ -65,6 +65,16 @@ variable "etcd_endpoints" {
     condition     = alltrue([for url in var.etcd_endpoints : startswith(url, "https://")]) || (var.etcd_ca_cert == null && var.etcd_client_cert == null && var.etcd_client_key == null)
     error_message = "etcd_endpoints are plaintext http:// but etcd_ca_cert, etcd_client_cert or etcd_client_key is set: write https:// URLs (the agent refuses TLS files beside http:// members rather than ignore them)."
   }
+  # The rules that tie the TLS inputs to the URLs live here, not on the TLS inputs: Terraform
+  # refuses validations of two variables that refer to each other (a cycle).
+  validation {
+    condition     = var.etcd_ca_cert != null || !alltrue([for url in var.etcd_endpoints : startswith(url, "https://")])
+    error_message = "https:// etcd_endpoints need etcd_ca_cert, the PEM CA of the members' certificates: the agent never dials an https:// member it cannot verify."
+  }
+  validation {
+    condition     = (var.etcd_client_cert != null && var.etcd_client_key != null) || !alltrue([for url in var.etcd_endpoints : startswith(url, "https://")])
+    error_message = "https:// etcd_endpoints need etcd_client_cert and etcd_client_key: the region's client certificate (CN agent-<region_id>) and its key are its identity in etcd."
+  }
 }
 
 variable "etcd_ca_cert" {
@@ -72,10 +82,6 @@ variable "etcd_ca_cert" {
   description = "PEM CA that signed the etcd members' certificates (region.etcd_ca_file): module global's etcd_ca_cert. Required with https:// etcd_endpoints; null with http:// ones."
   default     = null
 
-  validation {
-    condition     = var.etcd_ca_cert != null || !alltrue([for url in var.etcd_endpoints : startswith(url, "https://")])
-    error_message = "https:// etcd_endpoints need etcd_ca_cert, the PEM CA of the members' certificates: the agent never dials an https:// member it cannot verify."
-  }
   validation {
     condition     = var.etcd_ca_cert == null || can(regex("-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----", var.etcd_ca_cert))
     error_message = "etcd_ca_cert must be a PEM certificate (-----BEGIN CERTIFICATE----- ... -----END CERTIFICATE-----)."
@@ -88,10 +94,6 @@ variable "etcd_client_cert" {
   default     = null
 
   validation {
-    condition     = var.etcd_client_cert != null || !alltrue([for url in var.etcd_endpoints : startswith(url, "https://")])
-    error_message = "https:// etcd_endpoints need etcd_client_cert and etcd_client_key: the region's client certificate (CN agent-<region_id>) and its key are its identity in etcd."
-  }
-  validation {
     condition     = var.etcd_client_cert == null || can(regex("-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----", var.etcd_client_cert))
     error_message = "etcd_client_cert must be a PEM certificate (-----BEGIN CERTIFICATE----- ... -----END CERTIFICATE-----)."
   }
@@ -103,10 +105,6 @@ variable "etcd_client_key" {
   default     = null
   sensitive   = true
 
-  validation {
-    condition     = var.etcd_client_key != null || !alltrue([for url in var.etcd_endpoints : startswith(url, "https://")])
-    error_message = "https:// etcd_endpoints need etcd_client_key, the private key of etcd_client_cert (CN agent-<region_id>)."
-  }
   validation {
     condition     = var.etcd_client_key == null || (can(regex("-----BEGIN ([A-Z]+ )?PRIVATE KEY-----", var.etcd_client_key)) && !can(regex("ENCRYPTED", var.etcd_client_key)))
     error_message = "etcd_client_key must be an unencrypted PEM private key (-----BEGIN PRIVATE KEY----- or -----BEGIN EC PRIVATE KEY-----): the agent reads it without a passphrase."
