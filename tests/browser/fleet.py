@@ -10,7 +10,6 @@ residency eu), us-east (geography us).  The BIND fixture's view ``geo-a`` (clien
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from controlplane.api.server import ADMIN_API
 from controlplane.app import CONTROLLER, Controller, create_app
 from controlplane.settings import ControllerSettings
 from tests.controlplane.dns_helpers import dns_settings
-from tests.faults.harness import AgentProc
+from tests.faults.harness import AgentProc, fast_agent_toml
 from tests.meridianctl.stack import REGIONS, token_settings
 from tests.support import BindServer
 from tests.support.ports import free_port
@@ -31,32 +30,11 @@ ADDRESSES = {"eu-west": "192.0.2.11", "eu-north": "192.0.2.12", "us-east": "198.
 
 
 def agent_toml(region: dict[str, Any], node_url: str, etcd_url: str) -> str:
-    return f"""
-[[nodes]]
-url = "{node_url}"
-
-[region]
-id = "{region["id"]}"
-geo = "{region["geo"]}"
-residency = {json.dumps(region["residency"])}
-endpoints = ["https://{ADDRESSES[region["id"]]}"]
-etcd = ["{etcd_url}"]
-agent_id = "{region["id"]}-a1"
-lease_ttl_s = {AGENT_TTL_S}
-window_s = {HEARTBEAT_S}
-min_interval_s = 0.2
-load_min_interval_s = 0.5
-retry_base_s = 0.1
-retry_max_s = 0.5
-etcd_timeout_s = 1.0
-
-[health]
-probe_interval_s = 0.2
-probe_timeout_s = 1.0
-
-[telemetry]
-scrape_interval_s = 0.2
-"""
+    return fast_agent_toml(
+        region=region["id"], geo=region["geo"], residency=region["residency"],
+        endpoint=f"https://{ADDRESSES[region['id']]}", etcd=[etcd_url], nodes=[node_url],
+        lease_ttl_s=AGENT_TTL_S, window_s=HEARTBEAT_S, probe_timeout_s=1.0,
+    )  # fmt: skip
 
 
 class Fleet:

@@ -224,6 +224,47 @@ class NodeProc:
             self.process.stop()
 
 
+def fast_agent_toml(
+    *,
+    region: str,
+    geo: str,
+    residency: Sequence[str],
+    endpoint: str,
+    etcd: Sequence[str],
+    nodes: Sequence[str],
+    lease_ttl_s: int = 2,
+    window_s: float = 1.0,
+    probe_timeout_s: float = 0.5,
+) -> str:
+    """An agent's settings for a test fleet, with the short leases, windows, retries, probes
+    and scrapes that make a region's failure visible within seconds (the fault matrix, the
+    browser and Prometheus suites); its replica id is ``<region>-a1``."""
+    listed = "".join(f'[[nodes]]\nurl = "{url}"\n\n' for url in nodes)
+    return f"""{listed}
+[region]
+id = "{region}"
+geo = "{geo}"
+residency = {json.dumps(list(residency))}
+endpoints = ["{endpoint}"]
+etcd = {json.dumps(list(etcd))}
+agent_id = "{region}-a1"
+lease_ttl_s = {lease_ttl_s}
+window_s = {window_s}
+min_interval_s = 0.2
+load_min_interval_s = 0.5
+retry_base_s = 0.1
+retry_max_s = 0.5
+etcd_timeout_s = 1.0
+
+[health]
+probe_interval_s = 0.2
+probe_timeout_s = {probe_timeout_s}
+
+[telemetry]
+scrape_interval_s = 0.2
+"""
+
+
 def start_nodes(n: int, log_dir: Path, *, seed: int = 0, **kw: Any) -> list[NodeProc]:
     return [
         NodeProc(port=free_port(), log_dir=log_dir, seed=seed + i, **kw).start() for i in range(n)

@@ -46,6 +46,7 @@ from tests.faults.harness import (
     Report,
     Row,
     Traffic,
+    fast_agent_toml,
     seconds_until,
     start_nodes,
     wait_http,
@@ -68,32 +69,10 @@ _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _agent_toml(region: str, node: NodeProc, *, port: int, etcd: list[str]) -> str:
-    return f"""
-[[nodes]]
-url = "{node.url}"
-
-[region]
-id = "{region}"
-geo = "eu"
-residency = ["eu"]
-endpoints = ["http://127.0.0.1:{port}"]
-etcd = {json.dumps(etcd)}
-agent_id = "{region}-a1"
-lease_ttl_s = {AGENT_TTL_S}
-window_s = {HEARTBEAT_S}
-min_interval_s = 0.2
-load_min_interval_s = 0.5
-retry_base_s = 0.1
-retry_max_s = 0.5
-etcd_timeout_s = 1.0
-
-[health]
-probe_interval_s = 0.2
-probe_timeout_s = 0.5
-
-[telemetry]
-scrape_interval_s = 0.2
-"""
+    return fast_agent_toml(
+        region=region, geo="eu", residency=["eu"], endpoint=f"http://127.0.0.1:{port}",
+        etcd=etcd, nodes=[node.url], lease_ttl_s=AGENT_TTL_S, window_s=HEARTBEAT_S,
+    )  # fmt: skip
 
 
 def _controller_toml(name: str, *, port: int, etcd: list[str]) -> str:

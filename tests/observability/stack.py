@@ -13,7 +13,6 @@ agent dies.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 
 from meridian_service.checkconfig import to_toml
 from tests.controlplane.dns_helpers import dns_settings
-from tests.faults.harness import AgentProc, NodeProc, wait_http
+from tests.faults.harness import AgentProc, NodeProc, fast_agent_toml, wait_http
 from tests.meridianctl.stack import REGIONS, TOKENS, token_settings
 from tests.support import BindServer, relaunch_bind
 from tests.support.ports import free_port
@@ -36,30 +35,11 @@ OPERATOR_TOKEN = TOKENS["operator"]
 
 
 def agent_toml(region: dict[str, Any], nodes: list[NodeProc], etcd_url: str) -> str:
-    listed = "".join(f'[[nodes]]\nurl = "{n.url}"\n\n' for n in nodes)
-    return f"""{listed}
-[region]
-id = "{region["id"]}"
-geo = "{region["geo"]}"
-residency = {json.dumps(region["residency"])}
-endpoints = ["https://{ADDRESSES[region["id"]]}"]
-etcd = ["{etcd_url}"]
-agent_id = "{region["id"]}-a1"
-lease_ttl_s = {AGENT_TTL_S}
-window_s = {HEARTBEAT_S}
-min_interval_s = 0.2
-load_min_interval_s = 0.5
-retry_base_s = 0.1
-retry_max_s = 0.5
-etcd_timeout_s = 1.0
-
-[health]
-probe_interval_s = 0.2
-probe_timeout_s = 0.5
-
-[telemetry]
-scrape_interval_s = 0.2
-"""
+    return fast_agent_toml(
+        region=region["id"], geo=region["geo"], residency=region["residency"],
+        endpoint=f"https://{ADDRESSES[region['id']]}", etcd=[etcd_url],
+        nodes=[n.url for n in nodes], lease_ttl_s=AGENT_TTL_S, window_s=HEARTBEAT_S,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
