@@ -35,6 +35,13 @@ host, 2026-12-01), so a caller that must answer fast tokenizes only a prompt's f
 ``max_tokens`` tokens and estimates the rest from the characters left, at the characters per
 token of the part it tokenized.
 
+A served model's own tokenizer (``encode_head``, below; the agent's ``[tokenizer]`` settings,
+``regional_agent.prompts``) comes in as a callable, so that this module stays pure: the
+routing head of a prompt is read up to ``max_tokens * HEAD_CHARS_PER_TOKEN`` characters, cut
+between two words or before a special token, and a ``PrefixCache`` of prefix states (keyed by
+a digest of the text before a special token) lets a shared system prompt or a conversation's
+earlier turns be tokenised and hashed once.
+
 Block hashes (``block_hashes``) chain over full blocks of token ids, as vLLM's prefix cache
 does: block ``i``'s hash covers its own token ids and the hash of block ``i - 1``, so two
 prompts share block ``i``'s hash only when they share every token up to the end of block ``i``.
@@ -47,13 +54,15 @@ import hashlib
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 DEFAULT_VOCAB_SIZE: Final = 32_000
 _PIECE: Final = re.compile(r"<\|[a-z_]{1,32}\|>| ?[A-Za-z]{1,8}|\d{1,3}|[^\sA-Za-z\d]|\s+")
-_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+_ROLES: Final = ROLES
 
 
 class PromptError(ValueError):
@@ -182,10 +191,22 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    full = len(token_ids) - len(token_ids) % block_size
+    if full <= 0:
+        return ()
+    try:  # every id as 4 little-endian bytes at once, as hash_block writes them one by one
+        packed = struct.pack(f"<{full}I", *token_ids[:full])
+    except struct.error:  # an id outside 0..2**32-1: hash_block's own error
+        packed = b"".join(t.to_bytes(4, "little") for t in token_ids[:full])
     hashes: list[int] = []
     prev = parent
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash_block(token_ids[start : start + block_size], parent=prev)
+    step = 4 * block_size
+    for start in range(0, 4 * full, step):
+        h = hashlib.blake2b(digest_size=8)
+        h.update((prev if prev is not None else 0).to_bytes(8, "little"))
+        h.update(b"\x01" if prev is not None else b"\x00")
+        h.update(packed[start : start + step])
+        prev = int.from_bytes(h.digest(), "little")
         hashes.append(prev)
     return tuple(hashes)
 
@@ -198,3 +219,243 @@ def hash_block(token_ids: Iterable[int], *, parent: int | None) -> int:
     for token in token_ids:
         h.update(token.to_bytes(4, "little"))
     return int.from_bytes(h.digest(), "little")
+
+
+# -- a served model's own tokenizer -------------------------------------------------------------
+#
+# The agent tokenises with the model's tokenizer when it has one (``regional_agent.prompts``
+# loads it); what follows is the pure part: where a long prompt's head is cut, how its blocks
+# are hashed, and the cache of prefix states that lets a shared system prompt (or the previous
+# turns of a conversation) be tokenised and hashed once.  The tokenizer comes in as a callable.
+
+TokenizeMany = Callable[[Sequence[str]], Sequence[Sequence[int]]]
+"""Token ids of each text, in order (a tokenizer's batch encode, without special tokens added
+unless the caller wants them)."""
+
+HEAD_CHARS_PER_TOKEN: Final = 8
+"""A text longer than ``max_tokens`` times this many characters is tokenised only up to there
+(:func:`head_cut`): prose runs at 4-5 characters a token and code at 3-4, so the head almost
+always holds ``max_tokens`` tokens, and the work stays bounded by the characters read."""
+
+_BACKOFF_CHARS: Final = 1024  # how far back head_cut looks for whitespace to cut at
+_MAX_BOUNDARIES: Final = 1024  # segment boundaries looked at in one prompt (encode_head)
+_LEAD_STATES: Final = 8  # prefix states kept at a prompt's first boundaries (encode_head)
+
+
+def head_cut(text: str, max_tokens: int) -> int:
+    """Where a prompt's routing head ends: ``len(text)`` when the text is at most ``max_tokens *
+    HEAD_CHARS_PER_TOKEN`` characters, else the start of the last run of whitespace before that
+    limit (within ``_BACKOFF_CHARS``; the limit itself when there is none), so that the cut
+    falls between two words.  :func:`encode_head` drops the head's last token, which the cut
+    may have changed."""
+    limit = max_tokens * HEAD_CHARS_PER_TOKEN
+    if len(text) <= limit:
+        return len(text)
+    low = max(0, limit - _BACKOFF_CHARS)
+    k = max(text.rfind(" ", low, limit), text.rfind("\n", low, limit), text.rfind("\t", low, limit))
+    if k <= 0:
+        return limit
+    while k > low and text[k - 1] in " \t\r\n":
+        k -= 1
+    return k if k > 0 else limit
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A prompt's routing head, tokenised and hashed (:func:`encode_head`)."""
+
+    block_hashes: tuple[int, ...]  # chained hashes of the full blocks of the head's tokens
+    head_tokens: int  # tokens hashed: at most max_tokens
+    total_tokens: int  # the whole prompt's tokens: exact when ``complete``, else estimated
+    complete: bool  # every token of the prompt is in the head
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixState:
+    """What hashing a prompt's prefix left: enough to go on with the text after it."""
+
+    tokens: int  # the prefix's tokens that were hashed: at most max_tokens
+    hashes: tuple[int, ...]  # chained hashes of their full blocks
+    tail: tuple[int, ...]  # their token ids after the last full block (fewer than a block)
+    chars: int = 0  # the prefix's characters
+    read: int = 0  # the prefix's tokens, those past max_tokens too
+
+    def estimated_bytes(self) -> int:
+        """An upper bound of what holding this state in a :class:`PrefixCache` costs: 44 bytes
+        a block hash (a 64-bit int and its slot), 36 a tail id, 480 for the rest (the key, the
+        cache's entry, this object, two tuples); tests/policies/test_prompt.py measures it."""
+        return 480 + 44 * len(self.hashes) + 36 * len(self.tail)
+
+
+class PrefixCache:
+    """Prefix states by a digest of the rendered text they cover, least recently used first
+    out, holding at most ``max_bytes`` (:meth:`PrefixState.estimated_bytes`).
+
+    Not thread-safe: a caller that shares one between threads locks around it."""
+
+    def __init__(self, *, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be at least 0")
+        self.max_bytes = max_bytes
+        self._states: dict[bytes, PrefixState] = {}  # insertion order = recency
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def estimated_bytes(self) -> int:
+        return self._bytes
+
+    def longest(self, keys: Sequence[bytes]) -> tuple[int, PrefixState] | None:
+        """The last of ``keys`` that is cached and its state (refreshed), or None; one hit or
+        one miss is counted either way."""
+        for i in range(len(keys) - 1, -1, -1):
+            state = self._states.pop(keys[i], None)
+            if state is not None:
+                self._states[keys[i]] = state
+                self.hits += 1
+                return i, state
+        self.misses += 1
+        return None
+
+    def put(self, key: bytes, state: PrefixState) -> None:
+        size = state.estimated_bytes()
+        if size > self.max_bytes:
+            return
+        old = self._states.pop(key, None)
+        if old is not None:
+            self._bytes -= old.estimated_bytes()
+        self._states[key] = state
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            oldest = next(iter(self._states))
+            self._bytes -= self._states.pop(oldest).estimated_bytes()
+
+
+class StateCache(Protocol):
+    """What :func:`encode_head` needs of a cache (:class:`PrefixCache`, or one behind a lock)."""
+
+    def longest(self, keys: Sequence[bytes]) -> tuple[int, PrefixState] | None: ...
+
+    def put(self, key: bytes, state: PrefixState) -> None: ...
+
+
+def encode_head(
+    text: str,
+    *,
+    tokenize: TokenizeMany,
+    block_size: int,
+    max_tokens: int,
+    boundaries: re.Pattern[str] | None = None,
+    cache: StateCache | None = None,
+    namespace: bytes = b"",
+) -> Encoded:
+    """Tokenise and block-hash the first ``max_tokens`` tokens of ``text`` with ``tokenize``,
+    reading at most :func:`head_cut` characters of it.
+
+    With ``boundaries`` (a pattern of the tokenizer's special tokens, at which its tokenisation
+    splits: the tokens of ``a + b`` are those of ``a`` then those of ``b`` when ``b`` starts
+    with one; ``regional_agent.prompts`` checks that of each tokenizer) and ``cache``, the text
+    is cut into segments before each special token, the longest prefix of whole segments found
+    in ``cache`` is taken from it, and only the rest is tokenised; the states at the first
+    boundaries, the last two and the end go into ``cache`` for the next prompts.  ``namespace``
+    keeps the states of different tokenizers apart.  The hashes are the same with or without a
+    cache: ``block_hashes(tokens[:max_tokens])``, for a text of at most ``max_tokens *
+    HEAD_CHARS_PER_TOKEN`` characters (past that, of the tokens of a head cut between two words
+    or at a special token, less the last token when it may have changed).
+
+    The token count is exact when the prompt has at most ``max_tokens`` tokens.  Past them it is
+    exact when every token of the head was read, else estimated at the characters per token of
+    what was read: past the head, and when the cache held a state that already had
+    ``max_tokens`` tokens (a prompt whose shared prefix alone fills the head is then not
+    tokenised at all)."""
+    if block_size <= 0 or max_tokens <= 0:
+        raise ValueError("block_size and max_tokens must be positive")
+    cut = head_cut(text, max_tokens)
+    clean = False  # the head ends at a special token's start or end: its tokens are exact
+    if boundaries is not None and cut < len(text):  # never inside a special token
+        for match in boundaries.finditer(text, max(0, cut - 256), min(len(text), cut + 256)):
+            if match.start() <= cut <= match.end():
+                cut, clean = match.start() or match.end(), True
+                break
+    head = text[:cut] if cut < len(text) else text
+    whole = cut == len(text)
+    state = PrefixState(tokens=0, hashes=(), tail=())
+    keys: list[bytes] = []
+    first = 0
+    if boundaries is None or cache is None:
+        segments, ends = [head], [len(head)]
+    else:
+        starts = itertools.islice(boundaries.finditer(head), _MAX_BOUNDARIES)
+        edges = [0, *(m.start() for m in starts if m.start() > 0), len(head)]
+        pairs = [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+        segments, ends = [head[a:b] for a, b in pairs], [b for _, b in pairs]
+        seed = namespace + block_size.to_bytes(4, "little") + max_tokens.to_bytes(8, "little")
+        digest = hashlib.blake2b(seed, digest_size=16)
+        for segment in segments:
+            digest.update(segment.encode("utf-8"))
+            keys.append(digest.digest())  # keys[i]: the text of segments[: i + 1]
+        found = cache.longest(keys)
+        cut_end = found is not None and not whole and found[0] == len(keys) - 1
+        if cut_end and found is not None and found[1].tokens < max_tokens:
+            found = cache.longest(keys[:-1])  # a whole text that is this head: a token more
+        if found is not None:
+            first, state = found[0] + 1, found[1]
+            if state.tokens >= max_tokens:  # the head is all in the state: the rest estimated
+                if state.chars == len(text):
+                    done = state.read == state.tokens
+                    return Encoded(state.hashes, state.tokens, state.read, complete=done)
+                total = _estimate(state, len(text))
+                return Encoded(state.hashes, state.tokens, total_tokens=total, complete=False)
+    pieces_ids = list(tokenize(segments[first:])) if first < len(segments) else []
+    if not whole and not clean and pieces_ids:
+        pieces_ids[-1] = pieces_ids[-1][:-1]  # the cut may have changed the head's last token
+    read = state.tokens + sum(len(ids) for ids in pieces_ids)
+    tokens = state.tokens
+    hashes = list(state.hashes)
+    pending = list(state.tail)
+    last = len(segments) - 1
+    prefix_read = state.read
+    for index, ids in enumerate(pieces_ids, start=first):
+        prefix_read += len(ids)
+        taken = ids[: max_tokens - tokens]
+        tokens += len(taken)
+        pending.extend(taken)
+        full = len(pending) - len(pending) % block_size
+        if full:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(block_hashes(pending[:full], block_size=block_size, parent=parent))
+            del pending[:full]
+        capped = tokens >= max_tokens
+        if (
+            keys
+            and hashes
+            and cache is not None
+            and (index < last or whole or len(taken) < len(ids))  # not what the cut changed
+            and (capped or _keep_state(index, last, whole))
+        ):
+            kept = PrefixState(tokens, tuple(hashes), tuple(pending), ends[index], prefix_read)
+            cache.put(keys[index], kept)
+        if capped:
+            break
+    if whole:
+        return Encoded(tuple(hashes), tokens, total_tokens=read, complete=tokens == read)
+    total = math.ceil(read * len(text) / cut) if read else math.ceil(len(text) / 4)
+    return Encoded(tuple(hashes), tokens, total_tokens=total, complete=False)
+
+
+def _estimate(state: PrefixState, chars: int) -> int:
+    """A text's tokens at the characters per token of a prefix state."""
+    return math.ceil(state.read * chars / state.chars) if state.chars else state.read
+
+
+def _keep_state(index: int, last: int, whole: bool) -> bool:
+    """Whether the state after segment ``index`` (of ``last + 1``) goes into the cache: the
+    first few (a system prompt, the first turns), the last two when the text is whole (the
+    conversation so far without its generation prompt, which the next turn extends; and the
+    whole prompt, for a repeat), never the cut end."""
+    if index == last:
+        return whole
+    return index < _LEAD_STATES or index >= last - 1

@@ -56,6 +56,8 @@ from regional_agent.group_routing import GroupTables
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
+from regional_agent.prompts import Prompts
+from regional_agent.prompts import load as load_prompts
 from regional_agent.proxy import handlers
 from regional_agent.publisher import Publisher
 from regional_agent.publisher.publisher import default_agent_id
@@ -77,9 +79,17 @@ _RNG = web.AppKey("rng", random.Random)  # the background loops' backoff jitter
 
 
 def create_app(
-    settings: Settings, *, clock: Clock | None = None, seed: int | None = None
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    seed: int | None = None,
+    prompts: Prompts | None = None,
 ) -> web.Application:
+    """The agent's application.  ``prompts``: the tokenizers ``meridian-agent``'s start checks
+    loaded; loaded here from ``settings.tokenizer`` when not given."""
     clock = clock or MonotonicClock()
+    if prompts is None:
+        prompts = load_prompts(settings.tokenizer)
     rng = random.Random(seed)
     pool = NodePool(panic_threshold=settings.health.panic_threshold)
     for node_settings in settings.nodes:
@@ -153,6 +163,7 @@ def create_app(
         routing_config=config,
         tenants=Tenants(settings.tenants, clock=clock),
         group_policy=group_policy,
+        prompts=prompts,
     )
     app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
     app[EDGE] = edge

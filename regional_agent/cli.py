@@ -32,6 +32,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ import pydantic
 
 from meridian_service import checkconfig, logs, serving, version
 from meridian_service.tls import ServerTls, TlsError
+from regional_agent import prompts as prompts_module
 from regional_agent import settings as agent_settings
 from regional_agent.app import create_app, reload_on_signal
+from regional_agent.prompts import TokenizerLoadError
 from regional_agent.tenants import new_key
 
 log = logging.getLogger("meridian.agent")
@@ -158,8 +161,9 @@ def _forget_secret_env() -> None:
         del os.environ[name]
 
 
-async def _serve(settings: agent_settings.Settings, tls: ServerTls | None) -> None:
-    app = create_app(settings)
+async def _serve(settings: agent_settings.Settings, checked: Checked) -> None:
+    app = create_app(settings, prompts=checked.prompts)
+    tls = checked.tls
 
     def ready(port: int) -> None:
         # SIGHUP: the API keys and the TLS certificates (this replaces serve's TLS-only one)
@@ -217,15 +221,24 @@ NO_NODES = (
 )
 
 
-def start_checks(settings: agent_settings.Settings) -> ServerTls | None:
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """What :func:`start_checks` loaded for the start: the listener's TLS, the tokenizers."""
+
+    tls: ServerTls | None
+    prompts: prompts_module.Prompts
+
+
+def start_checks(settings: agent_settings.Settings) -> Checked:
     """What a start checks once the settings are loaded, before it listens (``--check-config``
-    runs the same): the TLS pair loads, and there are nodes to route to.  Returns the listener's
-    TLS; raises ``ValueError`` (``TlsError``) naming the setting."""
+    runs the same): the TLS pair loads, there are nodes to route to, and every tokenizer and
+    chat template loads and renders (``regional_agent.prompts``).  Returns what it loaded;
+    raises ``ValueError`` (``TlsError``, ``TokenizerLoadError``) naming the setting."""
     tls = settings.server.tls()
     autoscaled = settings.region.publishing and settings.autoscaler.actuator == "simulator"
     if not settings.nodes and not settings.discovery.dns and not autoscaled:
         raise ValueError(NO_NODES)
-    return tls
+    return Checked(tls=tls, prompts=prompts_module.load(settings.tokenizer))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,15 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         _forget_secret_env()
     try:
-        tls = start_checks(settings)
-    except TlsError as exc:
+        checked = start_checks(settings)
+    except (TlsError, TokenizerLoadError) as exc:
         print(f"meridian-agent: invalid settings:\n  {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(settings, tls))
+        asyncio.run(_serve(settings, checked))
     except OSError as exc:
         print(
             f"meridian-agent: cannot listen on {settings.server.host}:{settings.server.port}: "

@@ -12,9 +12,11 @@ first such body; idle, they wait on a queue and end with the process (or when th
 collected), so an agent that never sees a large body has none.
 
 Starting them also lowers the interpreter's GIL switch interval to 1 ms (from CPython's 5 ms;
-never raises it): the tokeniser is pure Python and holds the GIL, and while it runs the event
-loop waits up to one interval to get the GIL back after each of its syscalls.  Measured, three
-3.8 MB prompts parsed at once: ``GET /health`` worst 26-82 ms at 5 ms, 21-38 ms at 1 ms.
+never raises it): the stand-in tokeniser is pure Python and holds the GIL (a model's tokenizer,
+``regional_agent.prompts``, releases it while it encodes; the hashing around it does not), and
+while it runs the event loop waits up to one interval to get the GIL back after each of its
+syscalls.  Measured, three 3.8 MB prompts parsed at once: ``GET /health`` worst 26-82 ms at
+5 ms, 21-38 ms at 1 ms.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from policies.group_routing import GroupPolicy
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
+from regional_agent.prompts import Prompts
 from regional_agent.queue import Dispatcher
 from regional_agent.roster import Roster
 from regional_agent.settings import Settings
@@ -60,6 +63,7 @@ class Edge:
     routing_config: routing.RoutingConfig
     tenants: Tenants  # API keys, tenants and their rate limits (open mode: no keys)
     group_policy: GroupPolicy | None = None  # with group tables (routing.policy = "groups")
+    prompts: Prompts = field(default_factory=Prompts)  # the models' tokenizers ([tokenizer])
     _parse_threads: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     async def offload(self, work: Callable[[], T]) -> T:

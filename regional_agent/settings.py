@@ -13,8 +13,9 @@ import hmac
 import ipaddress
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -197,7 +198,8 @@ class RoutingSettings(_Group):
         description="tokens of a prompt that are tokenised and block-hashed for routing; past "
         "them the prompt's token count is estimated from the characters left, at the "
         "characters per token of the part tokenised, and prefixes are matched on these first "
-        "tokens only (a bound on the work one request costs: 1.5-3 us a token); raise it "
+        "tokens only (a bound on the work one request costs: 1.5-3 us a token with the "
+        "stand-in; with a model's tokenizer at most 8 characters a token are read); raise it "
         "for long-context models whose prompts share more than this; default 8192",
     )
     tuning: dict[str, float | int] = Field(
@@ -247,9 +249,125 @@ class ParseSettings(_Group):
     threads: int = Field(
         1,
         ge=1,
-        description="parse threads; large bodies beyond this many wait for one (the tokeniser "
-        "holds the GIL: more threads add no throughput, only contention with the event loop); "
-        "default 1",
+        description="parse threads; large bodies beyond this many wait for one (the stand-in "
+        "tokeniser holds the GIL: more threads add no throughput, only contention with the "
+        "event loop; a model's tokenizer releases it while it encodes, the hashing around it "
+        "does not); default 1",
+    )
+
+
+class TokenizerFiles(_Group):
+    """One model's tokenizer and chat template (``[tokenizer]`` or ``[tokenizer.models."m"]``):
+    its Hugging Face directory, or the files one by one (docs/agent.md, "Prompts with the
+    model's own tokenizer").  The files are checked when the settings are read; a start loads
+    them and renders a probe conversation (``regional_agent.prompts``)."""
+
+    model_dir: Path | None = Field(
+        None,
+        description="the model's directory (as vLLM's --model): tokenizer.json, and "
+        "chat_template.jinja and tokenizer_config.json when there",
+    )
+    tokenizer_file: Path | None = Field(
+        None,
+        description="the tokenizer.json (Hugging Face tokenizers format); default: model_dir's",
+    )
+    chat_template_file: Path | None = Field(
+        None,
+        description="the Jinja chat template; default: model_dir's chat_template.jinja, else "
+        "tokenizer_config.json's chat_template; none: chat prompts are laid out as ChatML",
+    )
+    tokenizer_config_file: Path | None = Field(
+        None,
+        description="the tokenizer_config.json (special tokens, add_bos_token, chat_template); "
+        "default: model_dir's, when there",
+    )
+    bos_token: str | None = Field(
+        None, description="the template's bos_token, instead of tokenizer_config.json's"
+    )
+    eos_token: str | None = Field(
+        None, description="the template's eos_token, instead of tokenizer_config.json's"
+    )
+
+    @dataclass(frozen=True, slots=True)
+    class Paths:
+        tokenizer_file: Path
+        chat_template_file: Path | None
+        tokenizer_config_file: Path | None
+
+    def configured(self) -> bool:
+        return self.model_dir is not None or self.tokenizer_file is not None
+
+    def paths(self) -> TokenizerFiles.Paths:
+        """The files to read, explicit ones first, else the model directory's."""
+        d = self.model_dir
+        tokenizer = self.tokenizer_file or (d / "tokenizer.json" if d is not None else None)
+        if tokenizer is None:
+            raise ValueError("no tokenizer: set model_dir or tokenizer_file")
+        template = self.chat_template_file
+        if template is None and d is not None and (d / "chat_template.jinja").is_file():
+            template = d / "chat_template.jinja"
+        config = self.tokenizer_config_file
+        if config is None and d is not None and (d / "tokenizer_config.json").is_file():
+            config = d / "tokenizer_config.json"
+        return TokenizerFiles.Paths(tokenizer, template, config)
+
+    @model_validator(mode="after")
+    def _files(self) -> Self:
+        if not self.configured():
+            given = [
+                name
+                for name in (
+                    "chat_template_file",
+                    "tokenizer_config_file",
+                    "bos_token",
+                    "eos_token",
+                )
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set without a tokenizer: set model_dir (the model's "
+                    "directory) or tokenizer_file too"
+                )
+            return self
+        if self.model_dir is not None and not self.model_dir.is_dir():
+            raise ValueError(f"model_dir: {self.model_dir} is not a directory")
+        paths = self.paths()
+        if not paths.tokenizer_file.is_file():
+            if self.tokenizer_file is None:
+                raise ValueError(
+                    f"model_dir: {self.model_dir} has no tokenizer.json: point model_dir at the "
+                    "model's directory, or set tokenizer_file"
+                )
+            raise ValueError(
+                f"tokenizer_file: {paths.tokenizer_file} does not exist (or is not a file)"
+            )
+        for name in ("chat_template_file", "tokenizer_config_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: {path} does not exist (or is not a file)")
+        return self
+
+
+class TokenizerSettings(TokenizerFiles):
+    """The served models' own tokenizers and chat templates: a default for every model (the
+    fields here) and per-model ones (``models``).  A model with neither is tokenised by the
+    agent's stand-in (policies.prompt), as without these settings."""
+
+    models: dict[str, TokenizerFiles] = Field(
+        default_factory=dict,
+        description="per-model tokenizers, by the model name requests carry, e.g. "
+        '{"meta-llama/Llama-3.1-8B-Instruct": {"model_dir": "/models/llama-3.1-8b"}}; '
+        "a model not named here gets the default above (or the stand-in without one)",
+    )
+    # 16 MiB: about 380k block hashes (6M tokens of 16-token blocks), the system prompts and
+    # conversations of a busy region for minutes; each entry costs PrefixState.estimated_bytes.
+    prefix_cache_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="memory for the prefix states of every model's prompts (a shared system "
+        "prompt is tokenised and hashed once), least recently used first out; estimated, an "
+        "upper bound; 0: no cache; default 16 MiB",
     )
 
 
@@ -986,6 +1104,7 @@ class Settings(BaseSettings):
     discovery: DiscoverySettings = DiscoverySettings()
     routing: RoutingSettings = RoutingSettings()
     parse: ParseSettings = ParseSettings()
+    tokenizer: TokenizerSettings = TokenizerSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     health: HealthSettings = HealthSettings()
     queue: QueueSettings = QueueSettings()

@@ -99,6 +99,14 @@ def render() -> str:
             for sub, f in DnsDiscoverySettings.model_fields.items():
                 lines.append(f"| `{sub}` | {_default(f)} | {f.description or ''} |")
             lines.append("")
+        if name == "tokenizer":
+            lines += [
+                'Each `[tokenizer.models."MODEL"]` table takes the file fields of `[tokenizer]`',
+                "(`model_dir`, `tokenizer_file`, `chat_template_file`, `tokenizer_config_file`,",
+                '`bos_token`, `eos_token`) for that model alone (docs/agent.md, "Prompts with the',
+                "model's own tokenizer\").",
+                "",
+            ]
         if name == "tenants":
             lines += [
                 "The keys file (`tenants.keys_file`, a TOML file of its own) holds one",

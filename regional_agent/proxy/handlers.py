@@ -65,6 +65,7 @@ from regional_agent.errors import (
     UpstreamUnavailable,
 )
 from regional_agent.observability import RequestMetrics
+from regional_agent.prompts import ChatOptions, ModelPrompts, Prompts
 from regional_agent.queue import Lease
 from regional_agent.settings import Settings
 from regional_agent.tenants import Admission, Tenant, UsageTally
@@ -161,7 +162,13 @@ async def _parse(
     ``routing.prefix_max_tokens`` tokens are tokenised and hashed."""
     raw = await request.read()
     work = functools.partial(
-        _parse_body, raw, request.headers, agent.settings, chat=chat, tenant=tenant
+        _parse_body,
+        raw,
+        request.headers,
+        agent.settings,
+        chat=chat,
+        tenant=tenant,
+        prompts=agent.prompts,
     )
     if len(raw) < agent.settings.parse.offload_min_bytes:
         return work()
@@ -175,9 +182,13 @@ def _parse_body(
     *,
     chat: bool,
     tenant: Tenant | None = None,
+    prompts: Prompts | None = None,
 ) -> _Parsed:
     """Everything ``_parse`` does after reading, without the event loop (it may run on a
-    thread: it reads only its arguments)."""
+    thread: it reads only its arguments, and the prefix cache, which has a lock).
+
+    The prompt is rendered and tokenised with the model's own template and tokenizer when
+    ``prompts`` has one for it (``regional_agent.prompts``), else with the stand-in."""
     body = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -193,6 +204,8 @@ def _parse_body(
             param="model",
         )
     max_prompt_tokens = settings.routing.prefix_max_tokens
+    block_tokens = settings.routing.prefix_block_tokens
+    own = prompts.for_model(model) if prompts is not None else None
     param = "messages" if chat else "prompt"
     try:
         if chat:
@@ -201,12 +214,24 @@ def _parse_body(
                 raise BadRequest(
                     "'messages' must be a non-empty list of messages", param="messages"
                 )
-            head = prompt.tokenize_prefix(
-                prompt.render_chat(messages), max_tokens=max_prompt_tokens
-            )
-            token_ids, prompt_tokens = head.token_ids, head.total_tokens
+            if own is not None:
+                head = own.encode_chat(
+                    messages,
+                    _chat_options(body),
+                    block_size=block_tokens,
+                    max_tokens=max_prompt_tokens,
+                )
+                hashes, prompt_tokens = head.block_hashes, head.total_tokens
+            else:
+                prefix = prompt.tokenize_prefix(
+                    prompt.render_chat(messages), max_tokens=max_prompt_tokens
+                )
+                hashes = prompt.block_hashes(prefix.token_ids, block_size=block_tokens)
+                prompt_tokens = prefix.total_tokens
         else:
-            token_ids, prompt_tokens = _completion_tokens(body.get("prompt"), max_prompt_tokens)
+            hashes, prompt_tokens = _completion_tokens(
+                body, max_prompt_tokens, block_tokens=block_tokens, own=own
+            )
     except prompt.PromptError as exc:
         raise BadRequest(str(exc), param=param) from exc
     max_tokens = body.get("max_tokens")
@@ -226,12 +251,11 @@ def _parse_body(
         raise BadRequest("'stream' must be true or false", param="stream")
     priority = _priority(headers, settings, tenant)
     session = _session_key(headers.get("X-Session-ID"), body.get("user"))
-    block_tokens = settings.routing.prefix_block_tokens
     view = RequestView(
         model=model,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
-        block_hashes=prompt.block_hashes(token_ids, block_size=block_tokens),
+        block_hashes=hashes,
         block_tokens=block_tokens,
         session_key=session,
         priority=priority,
@@ -244,6 +268,15 @@ def _parse_body(
         tokens=prompt_tokens + max_tokens,
         metrics=RequestMetrics(model=model, prompt_tokens=prompt_tokens),
     )
+
+
+def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
+    """The request's rendering options (``add_generation_prompt``, ``tools``, ...), or
+    ``BadRequest`` naming the field that is wrong."""
+    try:
+        return ChatOptions.from_body(body)
+    except prompt.PromptError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _priority(headers: Mapping[str, str], settings: Settings, tenant: Tenant | None) -> int:
@@ -318,20 +351,35 @@ def _session_key(header: str | None, user: object) -> str | None:
 _MAX_TOKEN_ID = 2**32 - 1  # block hashes pack token ids in 4 bytes (policies.prompt.hash_block)
 
 
-def _completion_tokens(value: object, max_tokens: int) -> tuple[tuple[int, ...], int]:
-    """The first ``max_tokens`` token ids of a completion's prompt and its token count."""
+def _completion_tokens(
+    body: Mapping[str, Any], max_tokens: int, *, block_tokens: int, own: ModelPrompts | None
+) -> tuple[tuple[int, ...], int]:
+    """The block hashes of a completion's prompt (its first ``max_tokens`` tokens) and its token
+    count: a text tokenised by the model's tokenizer with its special tokens (``own``; the
+    request's ``add_special_tokens``, as vLLM reads it) or by the stand-in; token ids as sent."""
+    value = body.get("prompt")
     field = "prompt"
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value, field = value[0], "prompt[0]"
     if isinstance(value, str):
-        head = prompt.tokenize_prefix(prompt.check_text(value, field=field), max_tokens=max_tokens)
-        return head.token_ids, head.total_tokens
+        text = prompt.check_text(value, field=field)
+        if own is not None:
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise BadRequest("'add_special_tokens' must be true or false", param="prompt")
+            head = own.encode_completion(
+                text, add_special_tokens=special, block_size=block_tokens, max_tokens=max_tokens
+            )
+            return head.block_hashes, head.total_tokens
+        prefix = prompt.tokenize_prefix(text, max_tokens=max_tokens)
+        return prompt.block_hashes(prefix.token_ids, block_size=block_tokens), prefix.total_tokens
     if isinstance(value, list) and all(type(t) is int for t in value):
         if not all(0 <= t <= _MAX_TOKEN_ID for t in value):
             raise BadRequest(
                 f"'{field}' token ids must be integers from 0 to {_MAX_TOKEN_ID}", param="prompt"
             )
-        return tuple(value[:max_tokens]), len(value)
+        hashes = prompt.block_hashes(value[:max_tokens], block_size=block_tokens)
+        return hashes, len(value)
     raise BadRequest(
         "'prompt' must be a string, a list of token ids, or a list of one of those", param="prompt"
     )

@@ -362,3 +362,24 @@ def test_every_settings_group_forbids_unknown_keys() -> None:
     assert len(seen) > 10
     for model in seen:
         assert model.model_config.get("extra") == "forbid", model.__name__
+
+
+def test_a_tokenizer_that_does_not_load_or_render_is_named_at_start(tmp_path: Path) -> None:
+    """[tokenizer]: a model directory without tokenizer.json is a settings error naming the
+    field; a chat template that does not render is named, file and reason, by the start
+    checks (the tokenizer is loaded as a start loads it); a good one is shown."""
+    model = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-llama"
+    done = _check(tmp_path, GOOD + f'\n[tokenizer]\nmodel_dir = "{tmp_path}"\n')
+    assert done.returncode == 2
+    assert f"tokenizer: model_dir: {tmp_path} has no tokenizer.json" in done.stderr, done.stderr
+    (tmp_path / "bad.jinja").write_text("{{ raise_exception('no chat for this model') }}")
+    bad = f'\n[tokenizer.models."m"]\nmodel_dir = "{model}"\nchat_template_file = "bad.jinja"\n'
+    done = _check(tmp_path, GOOD + bad)
+    assert done.returncode == 2
+    assert (
+        'tokenizer.models."m": the chat template in bad.jinja does not render a one-message '
+        "conversation: no chat for this model\n"
+    ) in done.stderr, done.stderr
+    done = _check(tmp_path, GOOD + f'\n[tokenizer]\nmodel_dir = "{model}"\n')
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(done.stdout)["tokenizer"]["model_dir"] == str(model)

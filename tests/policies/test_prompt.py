@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
+import re
+import tracemalloc
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -177,3 +184,149 @@ def test_a_role_that_is_not_a_string_is_refused_naming_it(role: object) -> None:
     """Found by the agent's fuzzer: ``"role": []`` (unhashable) was a 500."""
     with pytest.raises(prompt.PromptError, match=r"messages\[0\]\.role must be one of"):
         prompt.render_chat([{"role": role, "content": "hi"}])
+
+
+# -- a model's own tokenizer: the routing head and the prefix cache ------------------------------
+
+_SPECIAL = re.compile(r"<\|[a-z_]{1,32}\|>")
+
+
+def _stand_in(texts: Sequence[str]) -> list[tuple[int, ...]]:
+    """The stand-in tokenizer as a batch tokenizer; its pieces, like a real tokenizer's, never
+    run across the start of a special token, so the tokens of a text cut before one add up."""
+    return [prompt.tokenize(t) for t in texts]
+
+
+def test_head_cut_falls_before_the_whitespace_at_the_limit() -> None:
+    assert prompt.head_cut("short text", 4) == len("short text")
+    text = "abcdefgh " * 10  # 90 characters, 8 a token: the limit for 2 tokens is 16
+    assert prompt.head_cut(text, 2) == 8  # "abcdefgh" then the space at 8
+    assert prompt.head_cut("x" * 100, 2) == 16  # no whitespace: the limit itself
+    assert prompt.head_cut("ab  \n cdefghijklmnopqrstuvwxyz", 2) == 2  # before the whole run
+
+
+@given(
+    st.lists(st.sampled_from(["sys A", "sys B long " * 9, "u1", "u2 x", "a1", "a2 yy"]),
+             min_size=1, max_size=9),
+    st.sampled_from([1, 3, 16]),
+    st.integers(min_value=1, max_value=120),
+)  # fmt: skip
+def test_encode_head_is_the_block_hashes_of_the_head_with_or_without_the_cache(
+    contents: list[str], block_size: int, max_tokens: int
+) -> None:
+    """Whatever the cache holds from earlier prompts (every prefix of this conversation, and
+    the prompt itself), the result is the same as without it: the hashes of the first
+    max_tokens tokens, exact for a text within max_tokens * HEAD_CHARS_PER_TOKEN characters;
+    past that, of a head of the tokens cut between two words."""
+    cache = prompt.PrefixCache(max_bytes=1 << 20)
+    roles = ["system", "user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    for n in [1, len(contents) // 2 + 1, len(contents), len(contents)]:
+        messages = [{"role": roles[i % 8], "content": c} for i, c in enumerate(contents[:n])]
+        text = prompt.render_chat(messages)
+        ids = prompt.tokenize(text)
+        heads = [
+            prompt.encode_head(
+                text, tokenize=_stand_in, block_size=block_size, max_tokens=max_tokens,
+                boundaries=_SPECIAL, cache=c,
+            )
+            for c in (None, cache)
+        ]  # fmt: skip
+        assert heads[0].block_hashes == heads[1].block_hashes
+        assert heads[0].head_tokens == heads[1].head_tokens
+        head = heads[1]  # with the cache: a count past max_tokens may be estimated
+        assert head.block_hashes == prompt.block_hashes(
+            ids[: head.head_tokens], block_size=block_size
+        )
+        if len(text) <= max_tokens * prompt.HEAD_CHARS_PER_TOKEN:
+            assert head.head_tokens == min(max_tokens, len(ids))
+            assert heads[0].total_tokens == len(ids)  # without the cache: all of it was read
+            assert head.complete == (len(ids) <= max_tokens)
+            if head.complete:
+                assert head.total_tokens == len(ids)
+            else:
+                assert head.total_tokens >= max_tokens
+        else:
+            assert 0 < head.head_tokens <= max_tokens and not head.complete
+
+
+def test_the_cache_saves_the_tokenising_of_a_shared_prefix_and_is_keyed_by_namespace() -> None:
+    seen: list[str] = []
+
+    def counting(texts: Sequence[str]) -> list[tuple[int, ...]]:
+        seen.extend(texts)
+        return _stand_in(texts)
+
+    cache = prompt.PrefixCache(max_bytes=1 << 20)
+    system = {"role": "system", "content": "You route requests to the warmest node. " * 20}
+    first = prompt.render_chat([system, {"role": "user", "content": "one"}])
+    second = prompt.render_chat([system, {"role": "user", "content": "two"}])
+    kw: dict[str, Any] = {"tokenize": counting, "block_size": 16, "max_tokens": 4096,
+                          "boundaries": _SPECIAL, "cache": cache}  # fmt: skip
+    prompt.encode_head(first, **kw)
+    assert "".join(seen) == first and cache.misses == 1
+    seen.clear()
+    prompt.encode_head(second, **kw)
+    assert "".join(seen) == "<|im_start|>user\ntwo<|im_end|>\n<|im_start|>assistant\n"
+    assert cache.hits == 1
+    seen.clear()
+    prompt.encode_head(second, **{**kw, "namespace": b"another tokenizer"})
+    assert "".join(seen) == second  # nothing shared with another tokenizer's states
+    # a system prompt that alone fills the head: the next prompts are not tokenised at all
+    short = {**kw, "max_tokens": 64}
+    whole = prompt.encode_head(first, **short)
+    seen.clear()
+    head = prompt.encode_head(second, **short)
+    assert seen == [] and head.block_hashes == whole.block_hashes and head.head_tokens == 64
+    assert head.block_hashes == prompt.block_hashes(prompt.tokenize(second)[:64], block_size=16)
+    assert abs(head.total_tokens - prompt.count_tokens(second)) <= 2 and not head.complete
+
+
+def test_a_text_past_the_head_is_read_only_to_the_cut_and_estimated() -> None:
+    seen: list[str] = []
+
+    def counting(texts: Sequence[str]) -> list[tuple[int, ...]]:
+        seen.extend(texts)
+        return _stand_in(texts)
+
+    text = " ".join(f"word{i % 97} alpha" for i in range(3000))  # 2 tokens a word, 6k tokens
+    head = prompt.encode_head(text, tokenize=counting, block_size=16, max_tokens=200)
+    assert len("".join(seen)) <= 200 * prompt.HEAD_CHARS_PER_TOKEN
+    ids = prompt.tokenize(text)
+    assert head.block_hashes == prompt.block_hashes(ids[:200], block_size=16)
+    assert not head.complete and abs(head.total_tokens - len(ids)) <= 0.02 * len(ids)
+
+
+def test_the_prefix_cache_holds_at_most_its_bytes_least_recently_used_first_out() -> None:
+    state = prompt.PrefixState(tokens=32, hashes=(1, 2), tail=(5,))
+    size = state.estimated_bytes()
+    cache = prompt.PrefixCache(max_bytes=3 * size)
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, state)
+    assert cache.longest([b"a"]) == (0, state)  # a is now the most recent
+    cache.put(b"d", state)  # b goes
+    assert len(cache) == 3 and cache.estimated_bytes() == 3 * size
+    assert cache.longest([b"b"]) is None
+    assert cache.longest([b"a", b"x", b"c", b"y"]) == (2, state)  # the longest cached one
+    cache.put(b"huge", prompt.PrefixState(tokens=10**6, hashes=tuple(range(10**5)), tail=()))
+    assert b"huge" not in cache._states and len(cache) == 3  # larger than the whole cache
+    assert (cache.hits, cache.misses) == (2, 1)
+    with pytest.raises(ValueError):
+        prompt.PrefixCache(max_bytes=-1)
+
+
+def test_estimated_bytes_bound_what_the_states_really_cost() -> None:
+    rng = random.Random(7)
+    cache = prompt.PrefixCache(max_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2000):
+            hashes = tuple(rng.getrandbits(64) for _ in range(i % 40))
+            tail = tuple(rng.randrange(2048, 150_000) for _ in range(i % 16))
+            key = hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+            cache.put(key, prompt.PrefixState(tokens=16 * len(hashes), hashes=hashes, tail=tail))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used <= cache.estimated_bytes(), (used, cache.estimated_bytes())
+    assert used >= 0.5 * cache.estimated_bytes()  # an upper bound, not a wild one

@@ -4,7 +4,8 @@ vllm_install  session   the venv and tiny model from ``make real-vllm``; fails (
                         with that advice when either is missing
 vllm_nodes    session   two vLLM OpenAI servers, started in parallel once for the whole run,
                         each pinned to its own core; stopped with all their children at the end
-                        (with ``--enable-log-requests``: vLLM logs each abort there)
+                        (with ``--enable-log-requests``: vLLM logs each abort there; and
+                        ``--trust-request-chat-template``: /tokenize takes a request's template)
 vllm_extra    function  a factory of further servers that a test may kill:
                         ``server = vllm_extra(cpu="1")``; stopped after the test
 """
@@ -20,7 +21,7 @@ import pytest
 from tests.support import vllm
 from tests.support.vllm import VllmInstall, VllmServer
 
-LOG_REQUESTS = ["--enable-log-requests"]
+SESSION_ARGS = ["--enable-log-requests", "--trust-request-chat-template"]
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,7 @@ def vllm_nodes(
 ) -> Iterator[list[VllmServer]]:
     workdir = tmp_path_factory.mktemp("vllm")
     with vllm.serve(
-        vllm_install, workdir=workdir, cpus=["0", "1"], extra_args=LOG_REQUESTS
+        vllm_install, workdir=workdir, cpus=["0", "1"], extra_args=SESSION_ARGS
     ) as servers:
         yield servers
 
