@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from controlplane.dns.steering import DnsStats
 from controlplane.reconcile.windows import Prepared
 from meridian_service import otlp, version
+from meridian_service.metrics import by_label, labelled
 from policies.failover import RegionState, Verdict
 
 STATES: tuple[str, ...] = get_args(RegionState)
@@ -144,22 +145,6 @@ class ControllerMetrics:
             {(v, r): 0 for v in ACTION_VERBS for r in ACTION_RESULTS}
         )
 
-        def counts(table: Mapping[tuple[str, ...], int], keys: tuple[str, ...]) -> Callback:
-            def cb(_: CallbackOptions) -> Iterable[Observation]:
-                return [
-                    Observation(v, dict(zip(keys, k, strict=True))) for k, v in list(table.items())
-                ]
-
-            return cb
-
-        def by_kind(table: Mapping[str, int], known: Iterable[str], key: str = "kind") -> Callback:
-            zeros = dict.fromkeys(known, 0)
-
-            def cb(_: CallbackOptions) -> Iterable[Observation]:
-                return [Observation(v, {key: k}) for k, v in (zeros | dict(table)).items()]
-
-            return cb
-
         def per_region(value: Callable[[Verdict], float]) -> Callback:
             def cb(_: CallbackOptions) -> Iterable[Observation]:
                 if not leading():
@@ -249,13 +234,13 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_failovers",
-            callbacks=[counts(self._failovers, ("region", "cause"))],
+            callbacks=[labelled(self._failovers, ("region", "cause"))],
             description="Failover events written by this replica, by region and cause "
             "(health, manual, drain, backup_changed).",
         )
         meter.create_observable_counter(
             "meridian_controller_recoveries",
-            callbacks=[counts(self._recoveries, ("region", "cause"))],
+            callbacks=[labelled(self._recoveries, ("region", "cause"))],
             description="Recovery events (a weight increase) written by this replica, by "
             "region and cause (health, failback, undrain).",
         )
@@ -276,7 +261,7 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_elections",
-            callbacks=[by_kind(elections, ELECTION_KINDS)],
+            callbacks=[by_label(elections, ELECTION_KINDS)],
             description="Times this replica began leading: new (won the leader key) or "
             "resumed (kept it through an etcd outage).",
         )
@@ -287,7 +272,7 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_etcd_errors",
-            callbacks=[by_kind(etcd_failures, ETCD_ERROR_KINDS)],
+            callbacks=[by_label(etcd_failures, ETCD_ERROR_KINDS)],
             description="etcd calls that failed, by kind (unavailable, token_expired, "
             "lease_lost, fenced, refused).",
         )
@@ -315,12 +300,12 @@ class ControllerMetrics:
         )
         meter.create_observable_counter(
             "meridian_controller_dns_update_errors",
-            callbacks=[by_kind(dns.errors, DNS_ERROR_KINDS)],
+            callbacks=[by_label(dns.errors, DNS_ERROR_KINDS)],
             description="Failed DNS passes, by kind (unavailable, refused, failed, etcd, error).",
         )
         meter.create_observable_counter(
             "meridian_controller_admin_actions",
-            callbacks=[counts(self._actions, ("verb", "result"))],
+            callbacks=[labelled(self._actions, ("verb", "result"))],
             description="Admin API actions run by this replica (as leader), by verb (drain, "
             "undrain, failover, failback, policies) and result (applied, dry-run, refused, "
             "error, replayed).",

@@ -6,4 +6,5 @@
 ``hygiene``   connection limits of every server: read timeouts, keep-alive, per-address cap
 ``clock``     the clocks the shells inject: monotonic for the agent, wall-clock for the controller
 ``version``   the installed version, and the ``--version`` flag every daemon takes
+``metrics``   callbacks of observable instruments: a table of counts, one labelled row each
 """

@@ -59,6 +59,7 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from meridian_service import otlp, version
+from meridian_service.metrics import labelled
 from policies import admission, prompt
 from policies.model import Health
 
@@ -241,47 +242,37 @@ class Instruments:
         self.totals = RequestTotals()
         self.etcd_connected: bool | None = None  # None: the agent does not publish
 
-        def counts(
-            table: Counter[tuple[str, ...]], keys: tuple[str, ...]
-        ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-            def cb(_: CallbackOptions) -> Iterable[Observation]:
-                return [
-                    Observation(v, dict(zip(keys, k, strict=True))) for k, v in list(table.items())
-                ]
-
-            return cb
-
         meter.create_observable_counter(
             "meridian_agent_requests",
-            callbacks=[counts(self._requests, ("node", "status"))],
+            callbacks=[labelled(self._requests, ("node", "status"))],
             description="Requests finished, by node and status.",
         )
         meter.create_observable_counter(
             "meridian_agent_routing_decisions",
-            callbacks=[counts(self._decisions, ("policy", "reason"))],
+            callbacks=[labelled(self._decisions, ("policy", "reason"))],
             description="Routing decisions by policy and reason.",
         )
         meter.create_observable_counter(
             "meridian_agent_retries",
-            callbacks=[counts(self._retries, ("cause",))],
+            callbacks=[labelled(self._retries, ("cause",))],
             description="Attempts retried on another node, by cause.",
         )
         meter.create_observable_counter(
             "meridian_agent_etcd_writes",
-            callbacks=[counts(self._store_writes, ("kind",))],
+            callbacks=[labelled(self._store_writes, ("kind",))],
             description="Writes the publisher made to etcd, by kind (alive, status).",
         )
 
         meter.create_observable_counter(
             "meridian_agent_tenant_refusals",
-            callbacks=[counts(self._refusals, ("tenant", "cause"))],
+            callbacks=[labelled(self._refusals, ("tenant", "cause"))],
             description="Requests refused for their key or tenant, by tenant (none: no valid "
             "key) and cause (unauthenticated, model, requests, tokens).",
         )
 
         meter.create_observable_counter(
             "meridian_agent_discovery_failures",
-            callbacks=[counts(self._discovery_failures, ("source", "cause"))],
+            callbacks=[labelled(self._discovery_failures, ("source", "cause"))],
             description="DNS discovery resolutions that failed or came back empty and so "
             "changed nothing, by source (dns:<name>) and cause.",
         )
@@ -312,13 +303,13 @@ class Instruments:
         )
         meter.create_observable_counter(
             "meridian_agent_prompt_tokens",
-            callbacks=[counts(self._prompt_tokens, (*self._region, "model"))],
+            callbacks=[labelled(self._prompt_tokens, (*self._region, "model"))],
             description="Prompt tokens of the requests nodes answered, by model (the node's "
             "usage, else the agent's count).",
         )
         meter.create_observable_counter(
             "meridian_agent_generated_tokens",
-            callbacks=[counts(self._generated_tokens, (*self._region, "model"))],
+            callbacks=[labelled(self._generated_tokens, (*self._region, "model"))],
             description="Tokens generated for the requests nodes answered, by model (the "
             "node's usage, else counted from the stream).",
         )
