@@ -75,6 +75,14 @@ class OtlpSettings(BaseModel):
         "a stop waits to flush what is left",
     )
     traces: bool = Field(True, description="export spans (with endpoint set)")
+    trace_sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="share of requests traced when the client sends no trace context (0..1); "
+        "a client's traceparent decides for its own request (parent-based sampling: sampled "
+        "flag 01 traced, 00 not).  A request that is not traced costs no span at all",
+    )
     metrics: bool = Field(True, description="export metrics (with endpoint set)")
     metrics_interval_s: float = Field(
         60.0, gt=0, description="how often metrics are exported (seconds)"

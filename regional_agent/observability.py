@@ -55,7 +55,8 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
-from opentelemetry.trace import Tracer
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import NoOpTracer, Tracer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from meridian_service import otlp, version
@@ -388,15 +389,21 @@ class Instruments:
                 description="Nodes in the pool, by who added them (static, admin, autoscaler, "
                 "dns:<name>).",
             )
-        self._traces = TracerProvider(resource=resource)
-        if console_spans:
-            self._traces.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
-        if self.export is not None and self.export.span_processor is not None:
-            self._traces.add_span_processor(self.export.span_processor)
-        self.tracer: Tracer = self._traces.get_tracer("meridian.agent")
         # whether the agent's spans go anywhere: then it sends the nodes its own span as their
-        # parent (traceparent), else it forwards the client's as it came
+        # parent (traceparent), else it forwards the client's as it came.  Spans that go nowhere
+        # are not made at all (a no-op tracer): an SDK span per request cost 14 % of the
+        # agent's CPU when nothing exported it (docs/benchmarks.md, "Router CPU per request").
         self.tracing = console_spans or (self.export is not None and self.export.traces)
+        self._traces: TracerProvider | None = None
+        self.tracer: Tracer = NoOpTracer()
+        if self.tracing:
+            sampler = ParentBased(TraceIdRatioBased(otel.trace_sample_ratio))
+            self._traces = TracerProvider(resource=resource, sampler=sampler)
+            if console_spans:
+                self._traces.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+            if self.export is not None and self.export.span_processor is not None:
+                self._traces.add_span_processor(self.export.span_processor)
+            self.tracer = self._traces.get_tracer("meridian.agent")
 
     def count_request(self, *, node: str, status: int) -> None:
         self._requests[(node, str(status))] += 1
@@ -455,4 +462,5 @@ class Instruments:
             self.export.shutdown(tracers=self._traces, meters=self._meters)
             return
         self._meters.shutdown()
-        self._traces.shutdown()
+        if self._traces is not None:
+            self._traces.shutdown()

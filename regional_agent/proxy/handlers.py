@@ -26,15 +26,18 @@ the request queues (429 with ``x-ratelimit-*``); the priority is the tenant's (i
 node.  A served response carries the ``x-ratelimit-*`` headers, and its usage settles the
 tokens reserved.  Without keys (open mode) none of this applies.
 
-Trace context: the request's span (``agent.request``, kind SERVER) is a child of the client's
-W3C ``traceparent``; when the agent exports its spans it sends the node its own span's context
-as ``traceparent``, so the node's span (vLLM's ``llm_request``) is its child; otherwise the
-client's ``traceparent`` and ``tracestate`` go to the node as they came.
+Trace context: when the agent's spans go somewhere (``otel.endpoint`` or ``console_spans``),
+the request's span (``agent.request``, kind SERVER) is a child of the client's W3C
+``traceparent``, sampled as that says (else by ``otel.trace_sample_ratio``), and the agent sends
+the node its own span's context as ``traceparent``, so the node's span (vLLM's ``llm_request``)
+is its child.  Otherwise no span is made at all, and the client's ``traceparent`` and
+``tracestate`` go to the node as they came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from meridian_service import strict_json
@@ -424,19 +427,18 @@ async def _proxy_admitted(
             headers[name] = request.headers[name]
     agent.budget.on_request(now=agent.clock.now())
     parsed.metrics.model = agent.instruments.model_label(parsed.view.model)
-    with agent.instruments.tracer.start_as_current_span(
-        "agent.request",
-        context=_W3C.extract(request.headers),  # a child of the client's span, if it sent one
-        kind=SpanKind.SERVER,
-        attributes={
-            "meridian.model": parsed.view.model,
-            "meridian.stream": parsed.stream,
-            "meridian.priority": parsed.view.priority,
-            "meridian.prompt_tokens": parsed.view.prompt_tokens,
-            "meridian.request_id": request_id,
-            "meridian.tenant": "" if tenant is None else tenant.name,
-        },
-    ) as span:
+    with _request_span(request, agent) as span:
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "meridian.model": parsed.view.model,
+                    "meridian.stream": parsed.stream,
+                    "meridian.priority": parsed.view.priority,
+                    "meridian.prompt_tokens": parsed.view.prompt_tokens,
+                    "meridian.request_id": request_id,
+                    "meridian.tenant": "" if tenant is None else tenant.name,
+                }
+            )
         if tracing:
             _W3C.inject(headers)  # the node's span is a child of this one, not its sibling
         status = 500
@@ -467,6 +469,17 @@ async def _proxy_admitted(
             span.set_attribute("http.status_code", status)
             agent.instruments.count_request(node=node_label, status=status)
             agent.instruments.record_request(agent.clock.now() - arrived, parsed.metrics)
+
+
+def _request_span(request: web.Request, agent: Edge) -> contextlib.AbstractContextManager[Span]:
+    """The request's span, a child of the client's if it sent a ``traceparent`` (sampled as
+    that says, else by ``otel.trace_sample_ratio``); when the agent's spans go nowhere, no span
+    at all: a non-recording stand-in that costs nothing."""
+    if not agent.instruments.tracing:
+        return contextlib.nullcontext(INVALID_SPAN)
+    return agent.instruments.tracer.start_as_current_span(
+        "agent.request", context=_W3C.extract(request.headers), kind=SpanKind.SERVER
+    )
 
 
 async def _attempts(
@@ -500,15 +513,16 @@ async def _attempts(
         agent.instruments.count_decision(
             policy=lease.policy, reason=lease.decision.reason.split(":")[0]
         )
-        span.set_attributes(
-            {
-                "meridian.policy": lease.policy,
-                "meridian.node": lease.node_id,
-                "meridian.reason": lease.decision.reason,
-                "meridian.queue_wait_s": lease.queue_wait_s,
-                "meridian.attempt": attempt,
-            }
-        )
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "meridian.policy": lease.policy,
+                    "meridian.node": lease.node_id,
+                    "meridian.reason": lease.decision.reason,
+                    "meridian.queue_wait_s": lease.queue_wait_s,
+                    "meridian.attempt": attempt,
+                }
+            )
         try:
             response = await _one_attempt(request, agent, parsed, path, headers, lease, arrived)
         except UpstreamError as exc:

@@ -392,6 +392,42 @@ async def test_spans_and_metrics_over_grpc(
         await runner.cleanup()
 
 
+async def test_parent_based_sampling_traces_what_the_client_sampled_and_no_more(
+    receiver: OtlpReceiver, start_agent: AgentFactory, sim_node: NodeFactory, fast_batches: None
+) -> None:
+    """``otel.trace_sample_ratio = 0``: a request whose traceparent says sampled (01) gets its
+    span, one that says not sampled (00) or that brings no trace context gets none; and the
+    node still gets the client's context when the agent made no span."""
+    collector = await receiver.start()
+    node_url = await sim_node()
+    handle = await start_agent(
+        [node_url], otel={"endpoint": collector, "metrics": False, "trace_sample_ratio": 0.0}
+    )
+    sampled_id, _, sampled = _traceparent()
+    unsampled_id, _, unsampled = _traceparent()
+    await _chat(handle.url, {"traceparent": unsampled[:-2] + "00"})
+    await _chat(handle.url, {})
+    await _chat(handle.url, {"traceparent": sampled})
+    await until(
+        lambda: bool(receiver.spans_of("meridian-agent", trace_id=sampled_id)), 10, "the span"
+    )
+    await asyncio.sleep(0.3)  # a batch later: nothing else arrives
+    spans = receiver.spans_of("meridian-agent")
+    assert [s.trace_id for s in spans] == [sampled_id]
+    assert spans[0].attributes["meridian.model"] == MODEL  # a recorded span has its attributes
+    assert unsampled_id not in {s.trace_id for s in spans}
+
+
+async def test_without_tracing_the_agent_makes_no_span_at_all(start_agent: AgentFactory) -> None:
+    """Nothing exports the agent's spans: its tracer is the API's no-op tracer, so a request
+    costs no SDK span (docs/benchmarks.md, "Router CPU per request")."""
+    handle = await start_agent([])
+    instruments = handle.edge.instruments
+    assert instruments.tracing is False
+    with instruments.tracer.start_as_current_span("probe") as span:
+        assert not span.is_recording()
+
+
 # -- 4. the settings and the log filter -------------------------------------------------------
 
 
