@@ -12,7 +12,6 @@ meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from meridian_service import hygiene, serving, version
+from meridian_service import hygiene, loops, serving, version
 from meridian_sim import fleet, node, profile, tracing, workloads
 from policies import routing
 
@@ -306,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         otlp_traces_protocol=protocol,
     )
     try:
-        asyncio.run(_serve(config, args.host, args.port))
+        loops.run(_serve(config, args.host, args.port))
     except OSError as exc:
         print(
             f"meridian-sim: cannot listen on {args.host}:{args.port}: {exc.strerror}",

@@ -38,7 +38,7 @@ from typing import Any
 
 import pydantic
 
-from meridian_service import checkconfig, logs, serving, version
+from meridian_service import checkconfig, logs, loops, serving, version
 from meridian_service.tls import ServerTls, TlsError
 from regional_agent import prompts as prompts_module
 from regional_agent import settings as agent_settings
@@ -170,9 +170,9 @@ async def _serve(settings: agent_settings.Settings, checked: Checked) -> None:
         with contextlib.suppress(NotImplementedError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal, app)
         log.info(
-            "meridian-agent listening url=%s://%s:%d policy=%s nodes=%d",
+            "meridian-agent listening url=%s://%s:%d policy=%s nodes=%d loop=%s",
             "https" if tls else "http", settings.server.host, port, settings.routing.policy,
-            len(settings.nodes),
+            len(settings.nodes), loops.running(),
         )  # fmt: skip
         region = settings.region
         if region.publishing:
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(settings, checked))
+        loops.run(_serve(settings, checked), choice=settings.server.event_loop)
     except OSError as exc:
         print(
             f"meridian-agent: cannot listen on {settings.server.host}:{settings.server.port}: "

@@ -35,7 +35,7 @@ from pydantic_settings import (
 
 import meridian_etcd
 from meridian_etcd import endpoints as etcd_endpoints
-from meridian_service import hygiene, otlp
+from meridian_service import hygiene, loops, otlp
 from meridian_service import settings as settings_loading
 from meridian_service import tls as tls_module
 from policies import group_routing, routing
@@ -50,6 +50,11 @@ class ServerSettings(_Group):
     port: int = Field(8080, ge=0, le=65535, description="TCP port; 0 picks a free one")
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="largest request body accepted, in bytes (413 above)"
+    )
+    event_loop: loops.EventLoop = Field(
+        "uvloop",
+        description="uvloop (the default, where installed: less CPU per request) or asyncio "
+        "(the standard library's loop)",
     )
     # Connection hygiene (meridian_service.hygiene; docs/agent.md, Connections).  The timeouts
     # bound reading a request, never writing a response: a stream may last minutes.
