@@ -60,7 +60,7 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from meridian_service import otlp, version
-from meridian_service.metrics import labelled
+from meridian_service.metrics import Histogram, labelled
 from policies import admission, prompt
 from policies.model import Health
 
@@ -72,6 +72,24 @@ _LATENCY_BUCKETS_S = (
 # by 25 % a bucket up to about 9 minutes, then one overflow bucket.  A quantile read from them
 # is within 25 % of the true one, whatever the scale.
 TTFT_BOUNDS_S: tuple[float, ...] = tuple(0.001 * 1.25**k for k in range(60))
+
+_HISTOGRAMS = (  # OpenTelemetry name (Prometheus adds _seconds), its label, its description
+    (
+        "meridian_agent_time_to_first_token",
+        "model",
+        "Arrival at the agent to the first byte relayed to the client, by model.",
+    ),
+    (
+        "meridian_agent_queue_wait",
+        "priority",
+        "Time spent in the central queue, by priority class.",
+    ),
+    (
+        "meridian_agent_request_duration",
+        "model",
+        "Arrival at the agent to the last byte of the answer, by model.",
+    ),
+)
 
 OTHER_MODEL = "other"  # the model label of a request for a model no node serves
 _PRIORITY_NAMES = {v: k for k, v in admission.PRIORITIES.items()}
@@ -216,11 +234,7 @@ class Instruments:
                 instrument_name=name,
                 aggregation=ExplicitBucketHistogramAggregation(boundaries=_LATENCY_BUCKETS_S),
             )
-            for name in (
-                "meridian_agent_time_to_first_token",
-                "meridian_agent_queue_wait",
-                "meridian_agent_request_duration",
-            )
+            for name, _, _ in _HISTOGRAMS
         ]
         readers: list[MetricReader] = [reader]
         if self.export is not None and self.export.metric_reader is not None:
@@ -287,21 +301,26 @@ class Instruments:
             callbacks=[connected_cb],
             description="1 when etcd answered the publisher's last call, else 0.",
         )
-        self.ttft = meter.create_histogram(
-            "meridian_agent_time_to_first_token",
-            unit="s",
-            description="Arrival at the agent to the first byte relayed to the client, by model.",
+        # the request path's histograms: plain counts written at scrape time, or with an OTLP
+        # export the SDK's histograms, which both readers read (meridian_service.metrics)
+        exports_metrics = self.export is not None and self.export.metric_reader is not None
+        keys = tuple(self._region)
+        self.ttft, self.queue_wait, self.duration = (
+            Histogram(
+                f"{name}_seconds",
+                description=description,
+                bounds=_LATENCY_BUCKETS_S,
+                keys=(*keys, label),
+                otel=(
+                    meter.create_histogram(name, unit="s", description=description)
+                    if exports_metrics
+                    else None
+                ),
+            )
+            for name, label, description in _HISTOGRAMS
         )
-        self.queue_wait = meter.create_histogram(
-            "meridian_agent_queue_wait",
-            unit="s",
-            description="Time spent in the central queue, by priority class.",
-        )
-        self.duration = meter.create_histogram(
-            "meridian_agent_request_duration",
-            unit="s",
-            description="Arrival at the agent to the last byte of the answer, by model.",
-        )
+        for histogram in (self.ttft, self.queue_wait, self.duration):
+            self.registry.register(histogram)
         meter.create_observable_counter(
             "meridian_agent_prompt_tokens",
             callbacks=[labelled(self._prompt_tokens, (*self._region, "model"))],
@@ -420,17 +439,17 @@ class Instruments:
         """Arrival at the agent to the first byte relayed (streams): the histogram on
         ``/metrics`` and the running totals the publisher reads.  ``model``: a label from
         :meth:`model_label`."""
-        self.ttft.record(seconds, {**self._region, "model": model})
+        self.ttft.record(seconds, (*self._region.values(), model))
         self.totals.ttft[bisect.bisect_left(TTFT_BOUNDS_S, seconds)] += 1
 
     def record_queue_wait(self, seconds: float, *, priority: int) -> None:
         name = _PRIORITY_NAMES.get(priority, str(priority))
-        self.queue_wait.record(seconds, {**self._region, "priority": name})
+        self.queue_wait.record(seconds, (*self._region.values(), name))
 
     def record_request(self, seconds: float, request: RequestMetrics) -> None:
         """A request ended ``seconds`` after it arrived: its duration and, when a node's
         answer was relayed, its tokens."""
-        self.duration.record(seconds, {**self._region, "model": request.model})
+        self.duration.record(seconds, (*self._region.values(), request.model))
         request.finish()
         if request.started:
             key = (*self._region.values(), request.model)
