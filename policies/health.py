@@ -300,6 +300,23 @@ class NodeHealth:
         progress = min(1.0, max(0.0, progress))
         return SLOW_START_FLOOR + (1.0 - SLOW_START_FLOOR) * progress
 
+    def steady_until(self, now: float) -> float:
+        """Until when :meth:`state` and :meth:`slow_start` keep the values they have at ``now``
+        if no result or probe comes in: the end of an ejection, ``now`` itself while a slow
+        start ramps (it changes continuously), else forever.  What the pool caches a node's view
+        by."""
+        state = self.state(now)
+        if state is Health.EJECTED and self._ejected_until is not None:
+            return self._ejected_until
+        if (
+            state is Health.HEALTHY
+            and self._healthy_since is not None
+            and self.config.slow_start_s > 0
+            and now < self._healthy_since + self.config.slow_start_s
+        ):
+            return now
+        return math.inf
+
     def ttft_s(self) -> float | None:
         """Median time to first token over the window, or ``None`` with too few samples."""
         if len(self._ttft) < self.config.latency_min_samples:

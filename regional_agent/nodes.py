@@ -3,7 +3,13 @@ accounting of what it has in flight there.
 
 Health and telemetry live with their owners (``health.HealthMonitor``,
 ``telemetry.Scraper``); :meth:`NodePool.views` joins all three into the frozen
-``policies.model.NodeView`` snapshots that routing decides over.  When fewer than
+``policies.model.NodeView`` snapshots that routing decides over.  The views are kept between
+requests, not rebuilt for each: a node's view is rebuilt when the agent's accounting of it moves
+(a dispatch, a first token, a completion), every view when :meth:`NodePool.notify` says
+something else changed (a scrape round, a health change, an admin action, membership), and a
+view whose health or telemetry changes by itself with time (an ejection that ends, a slow start
+that ramps, a sample that goes stale) when that time comes.  A view's ``telemetry.age_s`` is
+the sample's age when the view was built.  When fewer than
 ``panic_threshold`` of the active nodes are healthy, the pool is in panic
 (``policies.health.panic``) and :meth:`NodePool.views` shows every active node as healthy;
 :meth:`NodePool.observed` and :meth:`NodePool.serving` always tell the observed health.  Entering
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,11 +35,15 @@ log = logging.getLogger(__name__)
 class TelemetrySource(Protocol):
     def snapshot(self, node_id: NodeId, *, now: float) -> Telemetry | None: ...
 
+    def fresh_until(self, node_id: NodeId) -> float: ...
+
 
 class HealthSource(Protocol):
     def state(self, node_id: NodeId, *, now: float) -> Health: ...
 
     def slow_start(self, node_id: NodeId, *, now: float) -> float: ...
+
+    def steady_until(self, node_id: NodeId, *, now: float) -> float: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -69,6 +80,12 @@ class _Unknown:
     def slow_start(self, node_id: NodeId, *, now: float) -> float:
         return 1.0
 
+    def fresh_until(self, node_id: NodeId) -> float:
+        return math.inf
+
+    def steady_until(self, node_id: NodeId, *, now: float) -> float:
+        return math.inf
+
 
 class NodePool:
     def __init__(self, *, panic_threshold: float = 0.0) -> None:
@@ -78,6 +95,11 @@ class NodePool:
         self.panic_threshold = panic_threshold  # 0: never panic (health.panic_threshold)
         self._panic: health_policy.Panic | None = None  # the last verdict
         self._listeners: list[Callable[[], None]] = []
+        # the views, kept between requests (module docstring): node -> (view, valid until)
+        self._views: dict[NodeId, tuple[NodeView, float]] = {}
+        self._views_until = -math.inf  # the earliest "valid until" of the cached views
+        self._routing: list[NodeView] | None = None  # views() as last answered, if still valid
+        self._health_moved = True  # since the last panic verdict
 
     # -- membership ------------------------------------------------------------------------
 
@@ -112,13 +134,51 @@ class NodePool:
 
     def views(self, *, now: float) -> list[NodeView]:
         """What routing decides over: :meth:`observed`, or in panic every active node as
-        healthy."""
+        healthy.  The same list object until something changes: callers must not modify it."""
+        if self._routing is not None and now < self._views_until:
+            return self._routing
         observed = self.observed(now=now)
-        return health_policy.routing_views(observed, self._judge_panic(observed))
+        if self._health_moved or self._panic is None:  # else the last verdict stands
+            self._health_moved = False
+            self._judge_panic(observed)
+        assert self._panic is not None
+        self._routing = health_policy.routing_views(observed, self._panic)
+        return self._routing
 
     def observed(self, *, now: float) -> list[NodeView]:
         """Every node with its observed health (never adjusted for panic)."""
-        return [self.view(node, now=now) for node in self._nodes.values()]
+        views = self._views
+        if len(views) == len(self._nodes) and now < self._views_until:
+            return [views[node_id][0] for node_id in self._nodes]
+        self._views_until = math.inf
+        out = []
+        for node in self._nodes.values():
+            cached = views.get(node.node_id)
+            if cached is None or now >= cached[1]:
+                if cached is not None:
+                    self._health_moved = True  # an ejection ended, a ramp moved, a sample aged
+                cached = self._cache(node, now=now)
+            else:
+                self._views_until = min(self._views_until, cached[1])
+            out.append(cached[0])
+        return out
+
+    def _cache(self, node: Node, *, now: float) -> tuple[NodeView, float]:
+        """Build ``node``'s view and keep it until its health or telemetry would change by
+        itself (an ejection ends, a slow start ramps, a sample goes stale)."""
+        until = min(
+            self.health.steady_until(node.node_id, now=now),
+            self.telemetry.fresh_until(node.node_id),
+        )
+        cached = self._views[node.node_id] = (self.view(node, now=now), until)
+        self._views_until = min(self._views_until, until)
+        self._routing = None
+        return cached
+
+    def _changed(self, node_id: NodeId) -> None:
+        """The agent's own accounting of ``node_id`` moved: only its view is rebuilt."""
+        self._views.pop(node_id, None)
+        self._routing = None
 
     def panic(self, *, now: float) -> health_policy.Panic:
         """Whether the pool is in panic now, with the counts and a reason."""
@@ -169,12 +229,14 @@ class NodePool:
         node.in_flight_tokens += tokens
         node.prefill_tokens += prefill
         node.requests_total += 1
+        self._changed(node_id)
 
     def first_token(self, node_id: NodeId, *, prefill: int) -> None:
         """The request's first token arrived: its ``prefill`` is done."""
         node = self._nodes.get(node_id)
         if node is not None:
             node.prefill_tokens -= prefill
+            self._changed(node_id)
 
     def release(self, node_id: NodeId, *, tokens: int, failed: bool, prefill: int = 0) -> None:
         """The request ended; ``prefill``: what is left of it (no first token was seen)."""
@@ -185,7 +247,8 @@ class NodePool:
             node.prefill_tokens -= prefill
             if failed:
                 node.errors_total += 1
-        self.notify()
+            self._changed(node_id)
+        self._wake()
 
     # -- change notification -------------------------------------------------------------------
 
@@ -193,5 +256,13 @@ class NodePool:
         self._listeners.append(listener)
 
     def notify(self) -> None:
+        """Something routing depends on changed (health, telemetry, admin state, membership):
+        every view is rebuilt on the next read, and the queue is woken."""
+        self._views.clear()
+        self._routing = None
+        self._health_moved = True
+        self._wake()
+
+    def _wake(self) -> None:
         for listener in self._listeners:
             listener()

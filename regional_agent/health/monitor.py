@@ -28,6 +28,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 
 from meridian_service.clock import Clock
 from policies import health
@@ -159,6 +160,12 @@ class HealthMonitor:
     def slow_start(self, node_id: NodeId, *, now: float) -> float:
         node = self._known(node_id, now=now)
         return 1.0 if node is None else node.slow_start(now)
+
+    def steady_until(self, node_id: NodeId, *, now: float) -> float:
+        """Until when :meth:`state` and :meth:`slow_start` stay as they are now, barring news
+        (``policies.health.NodeHealth.steady_until``)."""
+        node = self._known(node_id, now=now)
+        return math.inf if node is None else node.steady_until(now)
 
     def describe(self, node_id: NodeId, *, now: float) -> dict[str, object]:
         """State, reason, since, ejections, ejected_until, consecutive failures, TTFT stats."""

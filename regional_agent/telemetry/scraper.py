@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from dataclasses import dataclass
 
 from meridian_service.clock import Clock
@@ -215,6 +216,14 @@ class Scraper:
             prefix_hit_rate=state.rates.prefix_hit_rate,
             block_size=sample.block_size,
         )
+
+    def fresh_until(self, node_id: NodeId) -> float:
+        """Until when :meth:`snapshot` keeps its sample (then it goes stale), barring a new
+        scrape; forever for a node never scraped (a scrape round notifies the pool)."""
+        state = self._states.get(node_id)
+        if state is None or state.sample is None:
+            return math.inf
+        return state.taken_s + self._settings.stale_after_s
 
     def describe(self, node_id: NodeId, *, now: float | None = None) -> dict[str, object]:
         """The node's telemetry for the admin listing, JSON-ready."""

@@ -211,6 +211,42 @@ def test_slow_start_ramps_linearly_after_readmission(after_s: float, expected: f
     assert node.slow_start(10.0 + after_s) == pytest.approx(expected)
 
 
+@given(events=st.lists(st.tuples(st.sampled_from(["ok", "fail", "probe+", "probe-"]),
+                                 st.floats(0.0, 20.0)), max_size=30),
+       later=st.floats(0.0, 200.0))  # fmt: skip
+def test_steady_until_is_when_state_or_share_could_first_change_by_itself(
+    events: list[tuple[str, float]], later: float
+) -> None:
+    """Without news, ``state`` and ``slow_start`` keep their values from ``now`` until just
+    before ``steady_until(now)`` (the pool caches views by it)."""
+    node = _node(warm=False)
+    now = 0.0
+    for event, dt in events:
+        now += dt
+        if event in ("ok", "fail"):
+            node.on_result(event == "ok", ttft_s=0.1 if event == "ok" else None, now=now)
+        else:
+            _apply(node, event, now)
+    until = node.steady_until(now)
+    assert until >= now
+    if until > now:
+        t = min(now + later, until - 1e-6) if math.isfinite(until) else now + later
+        assert (node.state(t), node.slow_start(t)) == (node.state(now), node.slow_start(now))
+
+
+def test_steady_until_names_the_ejection_end_and_the_ramp() -> None:
+    node = _node()
+    assert node.steady_until(0.0) == math.inf  # healthy and warm
+    for i in range(5):
+        node.on_result(False, ttft_s=None, now=float(i))
+    assert node.state(10.0) is Health.EJECTED
+    ends = node.steady_until(10.0)
+    assert ends > 10.0 and node.state(ends) is Health.PROBATION
+    node.on_result(True, ttft_s=0.1, now=40.0)
+    assert node.steady_until(41.0) == 41.0  # ramping: changes continuously
+    assert node.steady_until(100.0) == math.inf
+
+
 def test_slow_start_after_probation() -> None:
     node = _node()
     for i in range(5):

@@ -1,0 +1,147 @@
+"""The pool's views are kept between requests (regional_agent.nodes): whatever happens, what
+``views`` answers equals views built afresh at that instant, except ``telemetry.age_s``, which is
+the sample's age when the view was built."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.model import Health, NodeId, NodeView, Telemetry
+from regional_agent.nodes import Node, NodePool
+
+NODES = [NodeId(f"n{i}") for i in range(4)]
+STALE_S = 2.0
+RAMP_S = 5.0
+
+
+class Sources:
+    """Health and telemetry whose answers change with time the way the real ones do: an
+    ejection that ends, a slow-start ramp, a sample that goes stale; every other change is
+    announced with ``pool.notify()``, as the health monitor and the scraper do."""
+
+    def __init__(self) -> None:
+        self.ejected_until: dict[NodeId, float] = {}
+        self.ramp_from: dict[NodeId, float] = {}
+        self.sample: dict[NodeId, tuple[float, int]] = {}  # taken at, waiting
+
+    def state(self, node_id: NodeId, *, now: float) -> Health:
+        until = self.ejected_until.get(node_id)
+        if until is None:
+            return Health.HEALTHY
+        return Health.EJECTED if now < until else Health.PROBATION
+
+    def slow_start(self, node_id: NodeId, *, now: float) -> float:
+        start = self.ramp_from.get(node_id)
+        if start is None or self.state(node_id, now=now) is not Health.HEALTHY:
+            return 1.0 if start is None else 0.1
+        return 0.1 + 0.9 * min(1.0, max(0.0, (now - start) / RAMP_S))
+
+    def steady_until(self, node_id: NodeId, *, now: float) -> float:
+        if self.state(node_id, now=now) is Health.EJECTED:
+            return self.ejected_until[node_id]
+        start = self.ramp_from.get(node_id)
+        if start is not None and now < start + RAMP_S:
+            return now
+        return math.inf
+
+    def snapshot(self, node_id: NodeId, *, now: float) -> Telemetry | None:
+        got = self.sample.get(node_id)
+        if got is None or now - got[0] > STALE_S:
+            return None
+        return Telemetry(
+            age_s=now - got[0], running=0, waiting=got[1], kv_util=0.5, prefix_hit_rate=None,
+            block_size=16,
+        )  # fmt: skip
+
+    def fresh_until(self, node_id: NodeId) -> float:
+        got = self.sample.get(node_id)
+        return math.inf if got is None else got[0] + STALE_S
+
+
+def _fresh(pool: NodePool, now: float) -> list[NodeView]:
+    return [_no_age(pool.view(n, now=now)) for n in pool]
+
+
+def _no_age(view: NodeView) -> NodeView:
+    if view.telemetry is None:
+        return view
+    return dataclasses.replace(view, telemetry=dataclasses.replace(view.telemetry, age_s=0.0))
+
+
+op = st.one_of(
+    st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+    st.tuples(st.just("acquire"), st.sampled_from(NODES), st.integers(1, 500)),
+    st.tuples(st.just("first_token"), st.sampled_from(NODES)),
+    st.tuples(st.just("release"), st.sampled_from(NODES)),
+    st.tuples(st.just("eject"), st.sampled_from(NODES), st.floats(0.1, 4.0)),
+    st.tuples(st.just("ramp"), st.sampled_from(NODES)),
+    st.tuples(st.just("scrape"), st.sampled_from(NODES), st.integers(0, 9)),
+    st.tuples(st.just("weight"), st.sampled_from(NODES), st.floats(0.5, 4.0)),
+    st.tuples(st.just("add_remove"), st.sampled_from(NODES)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=60))
+def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(ops: list[tuple]) -> None:
+    pool = NodePool()
+    sources = Sources()
+    pool.health = sources
+    pool.telemetry = sources
+    for node_id in NODES:
+        pool.add(Node(node_id=node_id, url=f"http://{node_id}", models=frozenset({"m"})))
+    now = 0.0
+    held: dict[NodeId, list[tuple[int, int]]] = {n: [] for n in NODES}  # tokens, prefill left
+    for step in ops:
+        kind = step[0]
+        if kind == "tick":
+            now += step[1]
+        elif kind == "acquire" and step[1] in pool:
+            pool.acquire(step[1], tokens=step[2], prefill=step[2] // 2)
+            held[step[1]].append((step[2], step[2] // 2))
+        elif kind == "first_token" and held[step[1]] and step[1] in pool:
+            tokens, prefill = held[step[1]].pop()
+            pool.first_token(step[1], prefill=prefill)
+            held[step[1]].append((tokens, 0))
+        elif kind == "release" and held[step[1]]:
+            tokens, prefill = held[step[1]].pop()
+            pool.release(step[1], tokens=tokens, failed=False, prefill=prefill)
+        elif kind == "eject":
+            sources.ejected_until[step[1]] = now + step[2]
+            pool.notify()
+        elif kind == "ramp":
+            sources.ejected_until.pop(step[1], None)
+            sources.ramp_from[step[1]] = now
+            pool.notify()
+        elif kind == "scrape":
+            sources.sample[step[1]] = (now, step[2])
+            pool.notify()
+        elif kind == "weight" and (node := pool.get(step[1])) is not None:
+            node.weight = step[2]
+            pool.notify()
+        elif kind == "add_remove":
+            if step[1] in pool:
+                pool.remove(step[1])
+                held[step[1]] = []
+            else:
+                pool.add(Node(node_id=step[1], url=f"http://{step[1]}", models=frozenset({"m"})))
+        got = [_no_age(v) for v in pool.views(now=now)]
+        assert got == _fresh(pool, now), step
+        assert [_no_age(v) for v in pool.observed(now=now)] == _fresh(pool, now)
+
+
+def test_views_are_not_rebuilt_while_nothing_changes() -> None:
+    pool = NodePool()
+    pool.add(Node(node_id=NodeId("a"), url="http://a", models=frozenset({"m"})))
+    pool.add(Node(node_id=NodeId("b"), url="http://b", models=frozenset({"m"})))
+    first = pool.views(now=1.0)
+    assert pool.views(now=2.0) is first  # the same list: nothing was rebuilt
+    a_before, b_before = first
+    pool.acquire(NodeId("a"), tokens=10)
+    a_after, b_after = pool.views(now=3.0)
+    assert b_after is b_before  # only the node whose accounting moved was rebuilt
+    assert a_after is not a_before and a_after.in_flight == 1
