@@ -207,12 +207,14 @@ def routing_views(nodes: Sequence[NodeView], decision: Panic) -> list[NodeView]:
     node that is not HEALTHY is shown HEALTHY with a full share (draining nodes unchanged)."""
     if not decision.active:
         return list(nodes)
-    return [
-        replace(n, health=Health.HEALTHY, slow_start=1.0)
-        if n.admin is AdminState.ACTIVE and n.health is not Health.HEALTHY
-        else n
-        for n in nodes
-    ]
+    return [routing_view(n, decision) for n in nodes]
+
+
+def routing_view(node: NodeView, decision: Panic) -> NodeView:
+    """One node as :func:`routing_views` shows it."""
+    if decision.active and node.admin is AdminState.ACTIVE and node.health is not Health.HEALTHY:
+        return replace(node, health=Health.HEALTHY, slow_start=1.0)
+    return node
 
 
 def detect_latency_outliers(

@@ -11,6 +11,7 @@ Policies must treat ``None`` as "unknown", never as idle.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -78,6 +79,44 @@ class NodeView:
     def queue_depth(self) -> int | None:
         """Requests waiting in the node's engine, or ``None`` when unknown."""
         return None if self.telemetry is None else self.telemetry.waiting
+
+
+class NodeViews(list[NodeView]):
+    """A pool's views, in the pool's order, with what a bounded policy looks nodes up by:
+    ``by_id``, and the ids of the routable nodes serving a model (:meth:`routable`) and of those
+    on probation (:meth:`probation`), each computed once for this list.  The agent's pool keeps
+    one between requests and replaces a view in it (``replace``) when only the agent's
+    accounting of that node moved, which never changes who is routable."""
+
+    __slots__ = ("_probation", "_routable", "by_id")
+
+    def __init__(self, views: Iterable[NodeView] = ()) -> None:
+        super().__init__(views)
+        self.by_id: dict[NodeId, NodeView] = {v.node_id: v for v in self}
+        self._routable: dict[str, list[NodeId]] = {}
+        self._probation: dict[str, list[NodeId]] = {}
+
+    def routable(self, model: str) -> list[NodeId]:
+        ids = self._routable.get(model)
+        if ids is None:
+            ids = self._routable[model] = [
+                v.node_id for v in self if v.routable and model in v.models
+            ]
+        return ids
+
+    def probation(self, model: str) -> list[NodeId]:
+        ids = self._probation.get(model)
+        if ids is None:
+            ids = self._probation[model] = [
+                i for i in self.routable(model) if self.by_id[i].health is Health.PROBATION
+            ]
+        return ids
+
+    def replace(self, position: int, view: NodeView) -> None:
+        """Put ``view`` at ``position``: the same node, whose routability and models did not
+        change."""
+        self[position] = view
+        self.by_id[view.node_id] = view
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Final, Protocol
 
-from policies.model import Decision, Health, NodeId, NodeView, RequestView
+from policies.model import Decision, Health, NodeId, NodeView, NodeViews, RequestView
 from policies.prefix_index import PrefixIndex
 
 NAMES: Final[tuple[str, ...]] = (
@@ -160,6 +160,11 @@ class RoutingConfig:
     """Cost of being on probation: worth about 8 requests in flight at 64 slots."""
     meridian_unknown_penalty: float = 0.5
     """Cost of unknown telemetry, standing in for the unknown queue and KV terms."""
+    meridian_candidates: int = 16
+    """Above this many routable nodes for the model, ``meridian`` scores a bounded set instead
+    of every node: the nodes the prefix index holds the prompt's blocks on, plus this many
+    sampled at random (the cost then picks the least loaded of them, as power-of-k-choices
+    does), so a decision costs the same at 1,024 nodes as at 16.  0: always score every node."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -786,6 +791,53 @@ class _Meridian(_Indexed):
 
     name = "meridian"
 
+    def choose(
+        self,
+        request: RequestView,
+        nodes: Sequence[NodeView],
+        *,
+        now: float,
+        rng: random.Random,
+    ) -> Decision:
+        """Every candidate scored, or with many nodes a bounded set (``meridian_candidates``):
+        the prefix index's holders of the prompt plus a random sample, from the pool's
+        :class:`~policies.model.NodeViews` without a pass over every node."""
+        limit = self._config.meridian_candidates
+        if limit < 1 or not isinstance(nodes, NodeViews) or len(nodes) <= limit:
+            return super().choose(request, nodes, now=now, rng=rng)
+        ids = nodes.routable(request.model)
+        if len(ids) <= limit:
+            return super().choose(request, nodes, now=now, rng=rng)
+        by_id = nodes.by_id
+        on_probation = [by_id[i] for i in nodes.probation(request.model)]
+        trial = self._trials.pick([n for n in on_probation if n.has_slot])
+        if trial is not None:
+            return trial
+        matched = self._index.match(request.block_hashes, now=now) if request.block_hashes else {}
+        bounded: dict[NodeId, NodeView] = {}
+        for node_id in matched:
+            view = by_id.get(node_id)
+            if (
+                view is not None
+                and view.routable
+                and view.has_slot
+                and request.model in view.models
+            ):
+                bounded[node_id] = view
+        for node_id in rng.sample(ids, limit):
+            view = by_id[node_id]
+            if view.has_slot:
+                bounded.setdefault(node_id, view)
+        if not bounded:  # the sample drew full nodes only: look at every one
+            everyone = candidates(request, nodes)
+            if not everyone:
+                return _no_candidates(request, nodes)
+            return self._choose(request, everyone, now=now, rng=rng)
+        ready = list(bounded.values())
+        return self._choose(
+            request, ready, now=now, rng=rng, matches=[matched.get(n.node_id, 0) for n in ready]
+        )
+
     def _choose(
         self,
         request: RequestView,
@@ -793,9 +845,11 @@ class _Meridian(_Indexed):
         *,
         now: float,
         rng: random.Random,
+        matches: list[int] | None = None,
     ) -> Decision:
         cfg = self._config
-        matches = self._matches(request, ready, now)
+        if matches is None:
+            matches = self._matches(request, ready, now)
         blocks = len(request.block_hashes)
         request_tokens = request.prompt_tokens + request.max_tokens
         warm = [_warm(n, cfg) for n in ready]

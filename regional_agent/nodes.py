@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from policies import health as health_policy
-from policies.model import AdminState, Health, NodeId, NodeView, Telemetry
+from policies.model import AdminState, Health, NodeId, NodeView, NodeViews, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,10 @@ class NodePool:
         # the views, kept between requests (module docstring): node -> (view, valid until)
         self._views: dict[NodeId, tuple[NodeView, float]] = {}
         self._views_until = -math.inf  # the earliest "valid until" of the cached views
-        self._routing: list[NodeView] | None = None  # views() as last answered, if still valid
+        self._routing: NodeViews | None = None  # views() as last built, patched since
+        self._positions: dict[NodeId, int] = {}  # node -> its place in _routing
+        self._built: dict[NodeId, tuple[Health, AdminState]] = {}  # as _routing was built
+        self._dirty: set[NodeId] = set()  # views to rebuild into _routing at the next read
         self._health_moved = True  # since the last panic verdict
 
     # -- membership ------------------------------------------------------------------------
@@ -132,18 +135,28 @@ class NodePool:
             out |= node.models
         return frozenset(out)
 
-    def views(self, *, now: float) -> list[NodeView]:
+    def views(self, *, now: float) -> NodeViews:
         """What routing decides over: :meth:`observed`, or in panic every active node as
-        healthy.  The same list object until something changes: callers must not modify it."""
-        if self._routing is not None and now < self._views_until:
-            return self._routing
+        healthy.  The pool's own list, kept and updated in place between calls: read it, never
+        modify or keep it."""
+        routing = self._routing
+        if routing is not None and now >= self._views_until:
+            self._expire(now)  # views that changed with time: their nodes are dirty now
+        if routing is not None:
+            if self._dirty and not self._patch(routing, now=now):
+                routing = None  # a node's routability moved: build them all
+            if routing is not None:
+                return routing
         observed = self.observed(now=now)
         if self._health_moved or self._panic is None:  # else the last verdict stands
             self._health_moved = False
             self._judge_panic(observed)
         assert self._panic is not None
-        self._routing = health_policy.routing_views(observed, self._panic)
-        return self._routing
+        routing = self._routing = NodeViews(health_policy.routing_views(observed, self._panic))
+        self._positions = {v.node_id: i for i, v in enumerate(routing)}
+        self._built = {v.node_id: (v.health, v.admin) for v in observed}
+        self._dirty.clear()
+        return routing
 
     def observed(self, *, now: float) -> list[NodeView]:
         """Every node with its observed health (never adjusted for panic)."""
@@ -172,13 +185,39 @@ class NodePool:
         )
         cached = self._views[node.node_id] = (self.view(node, now=now), until)
         self._views_until = min(self._views_until, until)
-        self._routing = None
         return cached
 
     def _changed(self, node_id: NodeId) -> None:
         """The agent's own accounting of ``node_id`` moved: only its view is rebuilt."""
         self._views.pop(node_id, None)
-        self._routing = None
+        self._dirty.add(node_id)
+
+    def _expire(self, now: float) -> None:
+        """The views whose time has come are rebuilt at the next read, like dirty ones."""
+        self._views_until = math.inf
+        for node_id, (_, until) in list(self._views.items()):
+            if now >= until:
+                del self._views[node_id]
+                self._dirty.add(node_id)
+            else:
+                self._views_until = min(self._views_until, until)
+
+    def _patch(self, routing: NodeViews, *, now: float) -> bool:
+        """Rebuild the dirty nodes' views into ``routing`` in place; False (and nothing more
+        patched) when one of them changed health or routability, which needs a full build."""
+        assert self._panic is not None
+        for node_id in list(self._dirty):
+            node = self._nodes.get(node_id)
+            position = self._positions.get(node_id)
+            if node is None or position is None:
+                return False
+            view = self._cache(node, now=now)[0]
+            if (view.health, view.admin) != self._built[node_id]:
+                self._health_moved = True
+                return False
+            routing.replace(position, health_policy.routing_view(view, self._panic))
+            self._dirty.discard(node_id)
+        return True
 
     def panic(self, *, now: float) -> health_policy.Panic:
         """Whether the pool is in panic now, with the counts and a reason."""
@@ -260,6 +299,7 @@ class NodePool:
         every view is rebuilt on the next read, and the queue is woken."""
         self._views.clear()
         self._routing = None
+        self._dirty.clear()
         self._health_moved = True
         self._wake()
 

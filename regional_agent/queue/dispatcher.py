@@ -21,7 +21,7 @@ import itertools
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meridian_service.clock import Clock
@@ -115,15 +115,15 @@ class Dispatcher:
         """Wait for a slot; raises UnknownModel, NoCapacity, QueueFull or DeadlineExceeded."""
         now = self._clock.now()
         views = self._pool.views(now=now)
-        serving = [v for v in views if request.model in v.models]
-        if not serving:
+        routable = views.routable(request.model)  # computed once per change of the pool
+        if not routable and not any(request.model in v.models for v in views):
             self.stats.rejected["unknown-model"] += 1
             models = ", ".join(sorted(self._pool.models())) or "none yet"
             raise UnknownModel(
                 f"The model `{request.model}` does not exist. Models served here: {models}.",
                 param="model",
             )
-        if not any(v.routable and v.node_id not in exclude for v in serving):
+        if not routable or (exclude and all(i in exclude for i in routable)):
             self.stats.rejected["no-capacity"] += 1
             raise NoCapacity(
                 f"no node can serve `{request.model}` now: all are drained, ejected or "
@@ -204,10 +204,10 @@ class Dispatcher:
         tokens: int,
         *,
         enqueued_s: float,
-        views: list[NodeView],
+        views: Sequence[NodeView],
     ) -> Lease | None:
         now = self._clock.now()
-        if exclude:
+        if exclude:  # a retry: a plain list, which every policy scores in full
             views = [v for v in views if v.node_id not in exclude]
         decision = self.policy.choose(request, views, now=now, rng=self._rng)
         if decision.node is None:

@@ -10,6 +10,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policies import health
 from policies.model import Health, NodeId, NodeView, Telemetry
 from regional_agent.nodes import Node, NodePool
 
@@ -86,9 +87,11 @@ op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=60))
-def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(ops: list[tuple]) -> None:
-    pool = NodePool()
+@given(st.lists(op, max_size=60), st.sampled_from([0.0, 0.6]))
+def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
+    ops: list[tuple], panic_threshold: float
+) -> None:
+    pool = NodePool(panic_threshold=panic_threshold)
     sources = Sources()
     pool.health = sources
     pool.telemetry = sources
@@ -129,9 +132,12 @@ def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(ops: list[t
                 held[step[1]] = []
             else:
                 pool.add(Node(node_id=step[1], url=f"http://{step[1]}", models=frozenset({"m"})))
-        got = [_no_age(v) for v in pool.views(now=now)]
-        assert got == _fresh(pool, now), step
-        assert [_no_age(v) for v in pool.observed(now=now)] == _fresh(pool, now)
+        fresh = _fresh(pool, now)
+        expected = health.routing_views(fresh, health.panic(fresh, threshold=panic_threshold))
+        got = pool.views(now=now)
+        assert [_no_age(v) for v in got] == expected, step
+        assert got.by_id == {v.node_id: v for v in got}
+        assert [_no_age(v) for v in pool.observed(now=now)] == fresh
 
 
 def test_views_are_not_rebuilt_while_nothing_changes() -> None:
@@ -145,3 +151,20 @@ def test_views_are_not_rebuilt_while_nothing_changes() -> None:
     a_after, b_after = pool.views(now=3.0)
     assert b_after is b_before  # only the node whose accounting moved was rebuilt
     assert a_after is not a_before and a_after.in_flight == 1
+
+
+def test_in_panic_a_view_rebuilt_for_its_accounting_is_still_shown_healthy() -> None:
+    pool = NodePool(panic_threshold=0.6)
+    sources = Sources()
+    pool.health = sources
+    pool.telemetry = sources
+    for node_id in NODES:
+        pool.add(Node(node_id=node_id, url=f"http://{node_id}", models=frozenset({"m"})))
+    sources.ejected_until.update({NODES[0]: 5.0, NODES[1]: 5.0})
+    pool.notify()
+    assert all(v.health is Health.HEALTHY for v in pool.views(now=1.0))  # 2 of 4: panic
+    pool.acquire(NODES[0], tokens=5)
+    patched = pool.views(now=1.0)
+    assert patched.by_id[NODES[0]].health is Health.HEALTHY and patched[0].in_flight == 1
+    assert pool.views(now=6.0).by_id[NODES[0]].health is Health.HEALTHY  # probation, in panic
+    assert pool.observed(now=6.0)[0].health is Health.PROBATION

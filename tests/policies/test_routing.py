@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from policies import group_routing, prompt, routing
 from policies.groups import GroupId
-from policies.model import AdminState, Decision, Health, NodeId, NodeView, RequestView, Telemetry
+from policies.model import (
+    AdminState,
+    Decision,
+    Health,
+    NodeId,
+    NodeView,
+    NodeViews,
+    RequestView,
+    Telemetry,
+)
 
 CONFIG = routing.RoutingConfig()
 LOAD_READERS = ("power_of_two", "jsq", "kv_aware", "prefix_aware", "session", "meridian")
@@ -734,3 +743,67 @@ def test_trials_go_to_the_node_waiting_longest_and_stop_when_none_waits() -> Non
     assert trials.pick([h]) is None and trials.pick([h, a]) is None  # the count starts again
     with pytest.raises(ValueError, match="at least 1"):
         routing.RoutingConfig(probation_every=0)
+
+
+# -- meridian's bounded candidate set (many nodes) ------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(pool=_pools(), requests=st.lists(_requests, min_size=1, max_size=8), seed=st.integers())
+def test_bounded_meridian_routes_only_to_candidates_and_none_only_without_one(
+    pool: list[NodeView], requests: list[RequestView], seed: int
+) -> None:
+    """With a bound below the pool's size, ``meridian`` over the pool's NodeViews still only
+    ever picks a candidate, and gives None only when there is none."""
+    config = dataclasses.replace(CONFIG, meridian_candidates=2)
+    policy = routing.create("meridian", config)
+    rng = random.Random(seed)
+    for t, request in enumerate(requests):
+        views = NodeViews(pool)
+        ready = {n.node_id for n in routing.candidates(request, views)}
+        decision = policy.choose(request, views, now=float(t), rng=rng)
+        if decision.node is None:
+            assert not ready, decision
+            continue
+        assert decision.node in ready, decision
+        policy.observe_routed(request, decision.node, now=float(t))
+        pool = [
+            dataclasses.replace(n, in_flight=n.in_flight + 1) if n.node_id == decision.node else n
+            for n in pool
+        ]
+
+
+def test_bounded_meridian_keeps_the_cached_prefix_among_many_nodes() -> None:
+    """256 nodes, a bound of 16: the node holding the prompt's blocks is always scored (the
+    index's holders join the random sample), so a repeated prompt goes back to it."""
+    policy = routing.create("meridian", CONFIG)
+    pool = NodeViews(node(f"n{i}", in_flight=1) for i in range(256))
+    prompt = req(block_hashes=blocks(*range(12)), prompt_tokens=12 * 16)
+    policy.observe_routed(prompt, NodeId("n200"), now=0.0)
+    for seed in range(50):
+        decision = policy.choose(prompt, pool, now=1.0, rng=random.Random(seed))
+        assert decision.node == "n200", decision
+        assert decision.expected_hit_tokens == 12 * 16
+
+
+def test_bounded_meridian_spreads_load_like_power_of_k_choices() -> None:
+    """Without prefixes, 4,096 requests over 256 equal nodes of 64 slots: each decision scores
+    16 sampled nodes, and no node ends up far above the mean of 16."""
+    policy = routing.create("meridian", CONFIG)
+    loads = dict.fromkeys((NodeId(f"n{i}") for i in range(256)), 0)
+    rng = random.Random(7)
+    for _ in range(4096):
+        views = NodeViews(node(n, in_flight=k) for n, k in loads.items())
+        decision = policy.choose(req(), views, now=0.0, rng=rng)
+        assert decision.node is not None
+        loads[decision.node] += 1
+    assert max(loads.values()) <= 18 and min(loads.values()) >= 14, sorted(loads.values())
+
+
+def test_bounded_meridian_finds_the_one_node_with_a_free_slot() -> None:
+    pool = NodeViews([*(node(f"n{i}", in_flight=64) for i in range(255)), node("free")])
+    policy = routing.create("meridian", CONFIG)
+    decision = policy.choose(req(), pool, now=0.0, rng=random.Random(1))
+    assert decision.node == "free"
+    full = NodeViews(node(f"n{i}", in_flight=64) for i in range(256))
+    assert policy.choose(req(), full, now=0.0, rng=random.Random(1)).node is None
