@@ -13,10 +13,12 @@ rate, divided by the requests wrk completed.  Runs are interleaved: each repeat 
 every router and mode, in an order rotated per repeat, after one discarded warm-up run each; the
 table gives medians (and the range) of the repeats.
 
-Routers: ``meridian`` (the agent, default policy), ``meridian-rr`` (round_robin: no prompt
-parse beyond the model), the peers vllm-router, sglang-router and smg (``cache_aware``,
-installed by ``benchmarks/_peers.py``), and ``bare`` (``benchmarks/_bare_proxy.py``: aiohttp +
-uvloop relaying bytes, the floor for an aiohttp router).
+Routers: ``meridian`` (the agent, default policy), ``meridian-rr`` (round_robin),
+``meridian@REV`` (the agent as it was at git revision REV, run from a worktree: how each change
+moved the figure, measured in the same run), the peers vllm-router, sglang-router and smg
+(``cache_aware``, installed by ``benchmarks/_peers.py``), and ``bare``
+(``benchmarks/_bare_proxy.py``: aiohttp + uvloop relaying bytes, the floor for an aiohttp
+router).
 
     python benchmarks/router_cpu.py [--quick] [--routers meridian,vllm-router,...]
         [--repeats 3] [--duration-s 15] [--connections 32] [--out-dir DIR] [--peers-root DIR]
@@ -96,9 +98,41 @@ class Router:
     idle_cpu_per_s: float = 0.0
 
 
+def worktree(rev: str) -> Path:
+    """A checkout of ``rev`` beside the repository (made once, reused), to run an older agent."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    path = Path(tempfile.gettempdir()) / f"meridian-rev-{sha}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha],
+                       check=True, capture_output=True)  # fmt: skip
+    return path
+
+
+def start_revision(name: str, rev: str, node_urls: Sequence[str], *, logdir: Path) -> Router:
+    """``meridian@REV``: the agent as it was at ``rev``, from a worktree, same interpreter."""
+    tree = worktree(rev)
+    argv = [sys.executable, "-m", "regional_agent.cli", "--port", "0", "--policy", "meridian",
+            "--log-level", "WARNING"]  # fmt: skip
+    for u in node_urls:
+        argv += ["--node", u]
+    err = (logdir / f"{name}.stderr").open("wb")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(
+        argv, cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
+    )
+    child = ao.Child(name=name, proc=proc, stderr_path=logdir / f"{name}.stderr")
+    po.pin(proc.pid, {ROUTER_CPU})
+    ao.wait_ready(child)
+    po.pin(proc.pid, {ROUTER_CPU})
+    return Router(name, f"meridian at {rev}", child.url, proc.pid, lambda: ao.stop_all([child]))
+
+
 def start_router(
     name: str, node_urls: Sequence[str], *, logdir: Path, peers_root: str | None
 ) -> Router:
+    if name.startswith("meridian@"):
+        return start_revision(name, name.split("@", 1)[1], node_urls, logdir=logdir)
     if name in ("meridian", "meridian-rr", "bare"):
         if name == "bare":
             argv = [str(ROOT / "benchmarks" / "_bare_proxy.py"), "--port", "0"]
@@ -182,9 +216,8 @@ def idle_rates(routers: Sequence[Router], seconds: float) -> None:
 
 def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    keys = sorted(
-        {(r["router"], r["mode"]) for r in runs}, key=lambda k: (ROUTERS.index(k[0]), k[1])
-    )
+    names = list(dict.fromkeys(r["router"] for r in runs))  # in the order they were given
+    keys = sorted({(r["router"], r["mode"]) for r in runs}, key=lambda k: (names.index(k[0]), k[1]))
     for router, mode in keys:
         rs = [r for r in runs if r["router"] == router and r["mode"] == mode]
         cpu = [r["cpu_us_per_request"] for r in rs if r["cpu_us_per_request"] is not None]
@@ -231,7 +264,7 @@ def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
     except ImportError:
         log("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return
-    routers = [r for r in ROUTERS if any(s["router"] == r for s in summary)]
+    routers = list(dict.fromkeys(s["router"] for s in summary))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.38
     for k, mode in enumerate(MODES):
@@ -268,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.duration_s, args.idle_s = 1, 5.0, 2.0
     names = [r.strip() for r in args.routers.split(",") if r.strip()]
-    unknown = sorted(set(names) - set(ROUTERS))
+    unknown = sorted(n for n in set(names) - set(ROUTERS) if not n.startswith("meridian@"))
     if unknown:
         parser.error(f"unknown routers {unknown}; valid: {', '.join(ROUTERS)}")
     for tool in ("wrk", "taskset"):

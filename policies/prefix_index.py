@@ -133,11 +133,16 @@ class PrefixIndex:
         matched: dict[NodeId, int] = {}
         alive: dict[NodeId, None] | None = None  # nodes holding every indexed block so far
         previous = -1  # the last indexed position walked
+        entries = self._entries
         for position in self._positions(len(hashes)):
-            holders = self._holders(hashes[position], oldest)
+            holders = entries.get(hashes[position])
+            if holders is not None and min(holders.values()) < oldest:
+                holders = self._holders(hashes[position], oldest)  # drops the expired claims
             leaving: list[NodeId] | None
             if alive is None:
                 leaving = [] if holders is None else None  # None: any node not in holders
+            elif holders is not None and alive.keys() <= holders.keys():
+                leaving = []  # the usual case in a shared prefix: everyone still holds it
             else:
                 leaving = [n for n in alive if holders is None or n not in holders]
             if position - previous > 1 and (leaving is None or leaving):
@@ -151,11 +156,14 @@ class PrefixIndex:
             else:
                 for n in leaving or ():
                     del alive[n]
+                    if matched.get(n, 0) < previous + 1:  # held everything up to previous
+                        matched[n] = previous + 1
                 if not alive:
                     break
-            for n in alive:
-                matched[n] = position + 1
             previous = position
+        for n in alive or ():  # held every block up to previous (a probe may know deeper)
+            if matched.get(n, 0) < previous + 1:
+                matched[n] = previous + 1
         return matched
 
     def _probe(

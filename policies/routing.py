@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import math
+import operator
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -800,7 +802,8 @@ class _Meridian(_Indexed):
         rng: random.Random,
     ) -> Decision:
         """Every candidate scored, or with many nodes a bounded set (``meridian_candidates``):
-        the prefix index's holders of the prompt plus a random sample, from the pool's
+        the prefix index's holders of the prompt (the ``meridian_candidates`` longest matches)
+        plus as many sampled at random, from the pool's
         :class:`~policies.model.NodeViews` without a pass over every node."""
         limit = self._config.meridian_candidates
         if limit < 1 or not isinstance(nodes, NodeViews) or len(nodes) <= limit:
@@ -814,8 +817,13 @@ class _Meridian(_Indexed):
         if trial is not None:
             return trial
         matched = self._index.match(request.block_hashes, now=now) if request.block_hashes else {}
+        holders = (
+            matched
+            if len(matched) <= limit
+            else dict(heapq.nlargest(limit, matched.items(), key=operator.itemgetter(1)))
+        )  # a prompt cached on many nodes: the longest matches
         bounded: dict[NodeId, NodeView] = {}
-        for node_id in matched:
+        for node_id in holders:
             view = by_id.get(node_id)
             if (
                 view is not None
