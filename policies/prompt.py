@@ -50,6 +50,7 @@ A partial last block has no hash.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -128,6 +129,7 @@ def pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # words repeat: a hit costs a tenth of a hash
 def piece_id(piece: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
     digest = hashlib.blake2b(piece.encode("utf-8"), digest_size=4).digest()
     return int.from_bytes(digest, "little") % vocab_size
