@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meridian_sim import fleet, profile, workloads  # noqa: E402
+from policies import routing  # noqa: E402
 
 DEFAULT_TRACE = ROOT / "data" / "workloads" / "mooncake_conversation_trace.jsonl"
 MAX_MODEL_LEN = 131_072  # Llama-3.1-8B's context: the Mooncake trace has 126k-token prompts
@@ -42,6 +43,7 @@ class Task:
     seed: int = 0
     regions: int = 1
     agents: int = 1  # agent replicas per region (FleetConfig.agents_per_region)
+    candidates: int | None = None  # RoutingConfig.meridian_candidates (None: the default)
 
 
 _STATE: dict[str, Any] = {}
@@ -72,6 +74,11 @@ def _run(task: Task) -> dict[str, Any]:
         agents_per_region=task.agents,
         scrape_interval_s=task.scrape_interval_s,
         seed=task.seed,
+        routing=(
+            routing.RoutingConfig()
+            if task.candidates is None
+            else routing.RoutingConfig(meridian_candidates=task.candidates)
+        ),
     )
     result = fleet.simulate(prof, work.requests, config, hasher=_STATE["hasher"])
     return {
@@ -79,6 +86,7 @@ def _run(task: Task) -> dict[str, Any]:
         "load": task.load,
         "arrival_rate_per_s": work.rate_per_s,
         "window_s": task.window_s,
+        "candidates": task.candidates,
         **result.summary,
     }
 

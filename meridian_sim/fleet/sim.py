@@ -62,7 +62,7 @@ from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
 from policies import admission, group_routing, routing
 from policies.groups import GroupId
-from policies.model import NodeId, NodeView, RequestView, Telemetry
+from policies.model import NodeId, NodeView, NodeViews, RequestView, Telemetry
 
 POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, group_routing.NAME, "oracle")
 MODEL: Final = "model"
@@ -449,8 +449,9 @@ class Fleet:
         while queue and self._try_route(agent, queue[0], now):
             queue.popleft()
 
-    def _node_views(self, agent: _Agent, now: float) -> list[NodeView]:
-        """What ``agent`` knows of its region's nodes now, in ``pos`` order."""
+    def _node_views(self, agent: _Agent, now: float) -> NodeViews:
+        """What ``agent`` knows of its region's nodes now, in ``pos`` order, as the agent's pool
+        hands them to its policy (so ``meridian`` bounds its candidates as it does there)."""
         cfg = self.config
         out = []
         stale_limit = cfg.stale_limit_s
@@ -469,7 +470,7 @@ class Fleet:
                 view = self._node_view(agent, node, now)
                 views[pos] = view
             out.append(view)
-        return out
+        return NodeViews(out)
 
     def _node_view(self, agent: _Agent, node: _Node, now: float) -> NodeView:
         cfg = self.config

@@ -141,8 +141,13 @@ class NodeClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+            # no cookie jar: a node's Set-Cookie must never ride along on other clients'
+            # requests (and filtering a jar costs every request CPU)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, auto_decompress=False
+                connector=connector,
+                timeout=self._timeout,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 

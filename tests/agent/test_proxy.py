@@ -171,6 +171,47 @@ async def test_a_node_answering_garbage_is_penalised_and_the_client_gets_a_clean
         await runner.cleanup()
 
 
+async def test_a_cookie_a_node_sets_never_rides_on_another_request(
+    start_agent: AgentFactory,
+) -> None:
+    """The agent keeps no cookie jar: what one answer's Set-Cookie says is not sent to the node
+    with the next client's request (nor does the client's answer need it)."""
+    seen: list[str | None] = []
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def complete(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        answer = web.json_response({"choices": [{"text": "x", "index": 0}]})
+        answer.set_cookie("session", "secret-of-another-client")
+        return answer
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        # by host name: aiohttp's default cookie jar ignores cookies of bare IP addresses
+        node_url = _runner_url(runner).replace("127.0.0.1", "localhost")
+        handle = await start_agent([node_url], policy="round_robin")
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+            for _ in range(3):
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+                async with s.post(f"{handle.url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+        assert seen == [None, None, None]
+    finally:
+        await runner.cleanup()
+
+
 async def test_same_long_prompt_lands_on_one_node_and_its_cache_proves_it(
     sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:
