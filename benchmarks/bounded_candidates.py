@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         *table(rows),
         "",
     ]
-    meta = {"capacity_rps": capacity, "machine": _fleet.machine(), "args": vars(args)}
+    meta = {"capacity_rps": capacity, "machine": _fleet.machine(),
+            "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     _fleet.write(args.out_dir, "bounded_candidates", meta, rows, "\n".join(lines))
     print("\n".join(table(rows)))
     return 0
