@@ -7,7 +7,9 @@ inflates their per-request CPU 4-10x; wrk does not.
 Set-up (as in the field notes): two ``meridian-sim node --profile cpu-tiny --time-scale 1000``
 nodes that answer at once, and wrk ``-t1 -c32`` on core 0; every router on core 1, alone while it
 is measured (the others idle, their idle CPU measured and subtracted).  A chat request with a short
-prompt (~22 tokens) that changes per request, ``max_tokens`` 2, plain and streamed.  CPU is
+prompt (~22 tokens) that changes per request, ``max_tokens`` 2, plain and streamed
+(``--prompt-words N`` puts a shared system prompt of N words before it: the prompt-length
+sweep).  CPU is
 utime + stime of the router's process tree (``/proc/<pid>/stat``) over the run, less its idle
 rate, divided by the requests wrk completed.  Runs are interleaved: each repeat goes once through
 every router and mode, in an order rotated per repeat, after one discarded warm-up run each; the
@@ -65,12 +67,14 @@ local counter = 0
 local model = os.getenv("BENCH_MODEL")
 local stream = os.getenv("BENCH_STREAM") == "1" and "true" or "false"
 local headers = {["Content-Type"] = "application/json"}
+local system = [==[SYSTEM_PROMPT]==]
+local head = system == "" and "" or ('{"role":"system","content":"' .. system .. '"},')
 request = function()
   counter = counter + 1
   local body = string.format(
-    '{"model":"%s","messages":[{"role":"user","content":"Summarise request number %d of ' ..
+    '{"model":"%s","messages":[%s{"role":"user","content":"Summarise request number %d of ' ..
     'this benchmark in one short sentence, please."}],"max_tokens":2,"stream":%s}',
-    model, counter, stream)
+    model, head, counter, stream)
   return wrk.format("POST", "/v1/chat/completions", headers, body)
 end
 done = function(summary, latency, requests)
@@ -82,6 +86,14 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(99)))
 end
 """
+
+
+def system_prompt(words: int) -> str:
+    """``words`` words of plain ASCII text, the same for every request (a system prompt that
+    every request shares, as in production): 0 gives none."""
+    vocab = ("route", "token", "cache", "region", "model", "prefill", "decode", "queue",
+             "node", "agent", "answer", "stream")  # fmt: skip
+    return " ".join(vocab[(i * 7 + i // 12) % len(vocab)] for i in range(words))
 
 
 def log(msg: str) -> None:
@@ -295,6 +307,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=15.0)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument(
+        "--prompt-words",
+        type=int,
+        default=0,
+        help="a shared system prompt of this many words before the short question (0: none); "
+        "results go to router_cpu_w<N>.*",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--peers-root", default=None)
     args = parser.parse_args(argv)
@@ -313,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="router-cpu-") as tmp:
         logdir = Path(tmp)
         script = logdir / "chat.lua"
-        script.write_text(_LUA)
+        script.write_text(_LUA.replace("SYSTEM_PROMPT", system_prompt(args.prompt_words)))
         nodes = [ao.spawn_node(i, profile="cpu-tiny", time_scale=1000, logdir=logdir)
                  for i in range(2)]  # fmt: skip
         routers: list[Router] = []
@@ -367,11 +386,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": runs,
         "summary": summary,
     }
-    (args.out_dir / "router_cpu.json").write_text(json.dumps(result, indent=2, default=str))
+    name = f"router_cpu_w{args.prompt_words}" if args.prompt_words else "router_cpu"
+    if args.prompt_words:
+        subtitle += f"; a {args.prompt_words}-word shared system prompt"
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
     md = [f"# Router CPU per request, saturated ({subtitle})", "", *table(summary), ""]
-    (args.out_dir / "router_cpu.md").write_text("\n".join(md))
+    (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(table(summary)))
-    plot(summary, subtitle, args.out_dir / "router_cpu.png")
+    plot(summary, subtitle, args.out_dir / f"{name}.png")
     return 0
 
 
