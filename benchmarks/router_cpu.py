@@ -9,7 +9,7 @@ nodes that answer at once, and wrk ``-t1 -c32`` on core 0; every router on core 
 is measured (the others idle, their idle CPU measured and subtracted).  A chat request with a short
 prompt (~22 tokens) that changes per request, ``max_tokens`` 2, plain and streamed
 (``--prompt-words N`` puts a shared system prompt of N words before it: the prompt-length
-sweep).  CPU is
+sweep, in ``router_cpu_prompts.*``).  CPU is
 utime + stime of the router's process tree (``/proc/<pid>/stat``) over the run, less its idle
 rate, divided by the requests wrk completed.  Runs are interleaved: each repeat goes once through
 every router and mode, in an order rotated per repeat, after one discarded warm-up run each; the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -178,7 +179,9 @@ def run_wrk(
     raise SystemExit(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}{out.stderr}")
 
 
-def measure(router: Router, *, stream: bool, args: argparse.Namespace, script: Path) -> dict:
+def measure(
+    router: Router, *, stream: bool, args: argparse.Namespace, script: Path
+) -> dict[str, Any]:
     cpu0 = po.tree_cpu_s(router.pid)
     t0 = time.perf_counter()
     res = run_wrk(
@@ -229,13 +232,19 @@ def idle_rates(routers: Sequence[Router], seconds: float) -> None:
 def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     names = list(dict.fromkeys(r["router"] for r in runs))  # in the order they were given
-    keys = sorted({(r["router"], r["mode"]) for r in runs}, key=lambda k: (names.index(k[0]), k[1]))
-    for router, mode in keys:
-        rs = [r for r in runs if r["router"] == router and r["mode"] == mode]
+    keys = sorted(
+        {(r["router"], r["mode"], r["prompt_words"]) for r in runs},
+        key=lambda k: (k[2], names.index(k[0]), k[1]),
+    )
+    for router, mode, words in keys:
+        rs = [
+            r for r in runs if (r["router"], r["mode"], r["prompt_words"]) == (router, mode, words)
+        ]
         cpu = [r["cpu_us_per_request"] for r in rs if r["cpu_us_per_request"] is not None]
         out.append(
             {
                 "router": router,
+                "prompt_words": words,
                 "mode": mode,
                 "repeats": len(rs),
                 "cpu_us_median": statistics.median(cpu),
@@ -253,18 +262,45 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(summary: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
-        "| router | mode | CPU µs/request, median (range) | requests/s | router core busy "
-        "| latency p50 / p99 ms | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| system prompt words | router | mode | CPU µs/request, median (range) | requests/s "
+        "| router core busy | latency p50 / p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
-            f"| {s['router']} | {s['mode']} | {s['cpu_us_median']:.0f} "
+            f"| {s['prompt_words']} | {s['router']} | {s['mode']} | {s['cpu_us_median']:.0f} "
             f"({s['cpu_us_min']:.0f}-{s['cpu_us_max']:.0f}) | {s['requests_per_s_median']:.0f} "
             f"| {s['core_busy_median']:.0%} | {s['latency_p50_ms_median']:.2f} / "
             f"{s['latency_p99_ms_median']:.2f} | {s['errors']} |"
         )
     return lines
+
+
+def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
+    """CPU per request against the system prompt's length, a line per router and mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for router in dict.fromkeys(s["router"] for s in summary):
+        for mode, style in zip(MODES, ("-", "--"), strict=True):
+            pts = sorted((s["prompt_words"], s["cpu_us_median"]) for s in summary
+                         if s["router"] == router and s["mode"] == mode)  # fmt: skip
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
+                    label=f"{router} {mode}")  # fmt: skip
+    ax.set_xlabel("words of the shared system prompt (plus a ~22-token question)")
+    ax.set_ylabel("CPU per request (µs), median of repeats")
+    ax.set_title(f"Router CPU per request by prompt length\n{subtitle}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
 
 
 def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
@@ -309,10 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument(
         "--prompt-words",
-        type=int,
-        default=0,
+        default="0",
         help="a shared system prompt of this many words before the short question (0: none); "
-        "results go to router_cpu_w<N>.*",
+        "a list (0,500,2000,8000) is the prompt-length sweep, in router_cpu_prompts.*",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--peers-root", default=None)
@@ -331,8 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="router-cpu-") as tmp:
         logdir = Path(tmp)
-        script = logdir / "chat.lua"
-        script.write_text(_LUA.replace("SYSTEM_PROMPT", system_prompt(args.prompt_words)))
+        lengths = [int(w) for w in str(args.prompt_words).split(",")]
+        scripts = {}
+        for words in lengths:
+            scripts[words] = logdir / f"chat-{words}.lua"
+            scripts[words].write_text(_LUA.replace("SYSTEM_PROMPT", system_prompt(words)))
         nodes = [ao.spawn_node(i, profile="cpu-tiny", time_scale=1000, logdir=logdir)
                  for i in range(2)]  # fmt: skip
         routers: list[Router] = []
@@ -353,17 +391,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"{r.name} ({r.policy}) at {r.url}: idle {r.idle_cpu_per_s * 1000:.1f} ms/s")
                 for stream in (False, True):  # warm-up, discarded
                     measure(r, stream=stream, args=argparse.Namespace(**{**vars(args),
-                            "duration_s": 2.0}), script=script)  # fmt: skip
+                            "duration_s": 2.0}), script=scripts[lengths[0]])  # fmt: skip
             runs: list[dict[str, Any]] = []
-            for rep in range(args.repeats):
+            for rep, words in itertools.product(range(args.repeats), lengths):
                 order = routers[rep % len(routers) :] + routers[: rep % len(routers)]
                 for r in order:
                     for stream in (False, True) if rep % 2 == 0 else (True, False):
-                        row = measure(r, stream=stream, args=args, script=script)
-                        row["repeat"] = rep
+                        row = measure(r, stream=stream, args=args, script=scripts[words])
+                        row["repeat"], row["prompt_words"] = rep, words
                         runs.append(row)
                         log(
-                            f"repeat {rep + 1}/{args.repeats} {r.name} {row['mode']}: "
+                            f"repeat {rep + 1}/{args.repeats} {words} words {r.name} "
+                            f"{row['mode']}: "
                             f"{row['cpu_us_per_request']:.0f} µs/request, "
                             f"{row['requests_per_s']:.0f} req/s, core {row['core_busy']:.0%}, "
                             f"p99 {row['latency_p99_ms']:.1f} ms, errors {row['errors']}"
@@ -386,14 +425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": runs,
         "summary": summary,
     }
-    name = f"router_cpu_w{args.prompt_words}" if args.prompt_words else "router_cpu"
-    if args.prompt_words:
-        subtitle += f"; a {args.prompt_words}-word shared system prompt"
+    sweep = lengths != [0]
+    name = "router_cpu_prompts" if sweep else "router_cpu"
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
     md = [f"# Router CPU per request, saturated ({subtitle})", "", *table(summary), ""]
     (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(table(summary)))
-    plot(summary, subtitle, args.out_dir / f"{name}.png")
+    if len(lengths) > 1:
+        plot_sweep(summary, subtitle, args.out_dir / f"{name}.png")
+    else:
+        plot(summary, subtitle, args.out_dir / f"{name}.png")
     return 0
 
 
