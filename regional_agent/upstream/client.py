@@ -83,6 +83,13 @@ class UpstreamResponse:
 
     async def _next(self) -> bytes:
         """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
+        content = self._response.content
+        buffered = content.read_nowait()  # what has arrived already needs no timer
+        if buffered:
+            self._started = True
+            return buffered
+        if content.at_eof():
+            return b""
         t = self._timeouts
         left_s = self._first_byte_deadline - asyncio.get_running_loop().time()
         waiting_first = not self._started  # the first bytes are due by the first-byte deadline
