@@ -344,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument(
+        "--node-profile",
+        default="cpu-tiny",
+        help="the simulated nodes' profile: cpu-tiny (512-token context) by default, "
+        "h100-llama3-8b (8,192) for the prompt-length sweep",
+    )
+    parser.add_argument(
         "--prompt-words",
         default="0",
         help="a shared system prompt of this many words before the short question (0: none); "
@@ -371,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for words in lengths:
             scripts[words] = logdir / f"chat-{words}.lua"
             scripts[words].write_text(_LUA.replace("SYSTEM_PROMPT", system_prompt(words)))
-        nodes = [ao.spawn_node(i, profile="cpu-tiny", time_scale=1000, logdir=logdir)
+        nodes = [ao.spawn_node(i, profile=args.node_profile, time_scale=1000, logdir=logdir)
                  for i in range(2)]  # fmt: skip
         routers: list[Router] = []
         try:
