@@ -276,8 +276,8 @@ def table(summary: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
-    """CPU per request against the system prompt's length, a line per router and mode."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or ``None`` (said once) when not installed."""
     try:
         import matplotlib
 
@@ -285,6 +285,14 @@ def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return None
+    return plt
+
+
+def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
+    """CPU per request against the system prompt's length, a line per router and mode."""
+    plt = _pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for router in dict.fromkeys(s["router"] for s in summary):
@@ -304,13 +312,8 @@ def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> 
 
 
 def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = _pyplot()
+    if plt is None:
         return
     routers = list(dict.fromkeys(s["router"] for s in summary))
     fig, ax = plt.subplots(figsize=(9, 4.5))

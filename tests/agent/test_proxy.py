@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import openai
@@ -76,12 +76,6 @@ async def test_streaming_is_relayed_byte_for_byte(start_agent: AgentFactory) -> 
         b"data: [DONE]\n\n",
     ]
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
     async def complete(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -91,18 +85,9 @@ async def test_streaming_is_relayed_byte_for_byte(start_agent: AgentFactory) -> 
         await response.write_eof()
         return response
 
-    backend = web.Application()
-    backend.router.add_get("/v1/models", models)
-    backend.router.add_get("/health", health)
-    backend.router.add_get("/metrics", health)
-    backend.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(backend)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner = await _backend(complete)
     try:
-        handle = await start_agent([f"http://127.0.0.1:{port}"], policy="round_robin")
+        handle = await start_agent([_runner_url(runner)], policy="round_robin")
         async with (
             aiohttp.ClientSession() as s,
             s.post(
@@ -118,8 +103,11 @@ async def test_streaming_is_relayed_byte_for_byte(start_agent: AgentFactory) -> 
         await runner.cleanup()
 
 
-async def _garbage_backend() -> web.AppRunner:
-    """A node that lists the model and is healthy but answers completions with garbage."""
+async def _backend(
+    complete: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.AppRunner:
+    """A node of the test's own on loopback: it lists the model, is healthy (``/health`` and
+    ``/metrics`` answer 200, empty) and answers ``/v1/completions`` with ``complete``."""
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -127,18 +115,24 @@ async def _garbage_backend() -> web.AppRunner:
     async def ok(_: web.Request) -> web.Response:
         return web.Response()
 
-    async def garbage(_: web.Request) -> web.Response:
-        return web.Response(body=b'{"choices": [tru', content_type="application/json")
-
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", ok)
     app.router.add_get("/metrics", ok)
-    app.router.add_post("/v1/completions", garbage)
+    app.router.add_post("/v1/completions", complete)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner
+
+
+async def _garbage_backend() -> web.AppRunner:
+    """A node that lists the model and is healthy but answers completions with garbage."""
+
+    async def garbage(_: web.Request) -> web.Response:
+        return web.Response(body=b'{"choices": [tru', content_type="application/json")
+
+    return await _backend(garbage)
 
 
 def _runner_url(runner: web.AppRunner) -> str:
@@ -178,26 +172,13 @@ async def test_a_cookie_a_node_sets_never_rides_on_another_request(
     with the next client's request (nor does the client's answer need it)."""
     seen: list[str | None] = []
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def ok(_: web.Request) -> web.Response:
-        return web.Response()
-
     async def complete(request: web.Request) -> web.Response:
         seen.append(request.headers.get("Cookie"))
         answer = web.json_response({"choices": [{"text": "x", "index": 0}]})
         answer.set_cookie("session", "secret-of-another-client")
         return answer
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/metrics", ok)
-    app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner = await _backend(complete)
     try:
         # by host name: aiohttp's default cookie jar ignores cookies of bare IP addresses
         node_url = _runner_url(runner).replace("127.0.0.1", "localhost")
