@@ -60,6 +60,8 @@ class Fleet:
         self.runners: dict[str, web.AppRunner] = {}
         self.agents: list[asyncio.Task[None]] = []
         self.up = {"eu-west": True, "eu-north": True}
+        # set by a region's agent loop once it has seen up False: no write of it is in flight
+        self.quiet = {region: asyncio.Event() for region in self.up}
         self.store = etcd_client(*endpoints, timeout_s=1.0)
 
     async def controller(self, name: str) -> Controller:
@@ -84,7 +86,10 @@ class Fleet:
         store = etcd_client(*self.endpoints, timeout_s=1.0)
         try:
             while True:
-                if self.up[region]:
+                if not self.up[region]:
+                    self.quiet[region].set()
+                else:
+                    self.quiet[region].clear()
                     status = RegionStatus(
                         region=region,
                         geo="eu",
@@ -143,6 +148,8 @@ async def test_killing_the_leader_changes_nothing_and_a_follower_takes_over(
     await until(lambda: leader.passes >= 3, 5, "judged windows")
     # eu-west's agent stops; the region is judged failed
     fleet.up["eu-west"] = False
+    # a write begun before the flag flipped must not bring the alive key back after this
+    await asyncio.wait_for(fleet.quiet["eu-west"].wait(), 5)
     await fleet.store.delete(keys.agent_alive("eu-west", "a1"))
 
     async def west_state() -> str | None:
