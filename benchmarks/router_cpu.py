@@ -328,7 +328,7 @@ def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
         ]
         bars = ax.bar(xs, med, width, yerr=err, capsize=3, label=mode)
         ax.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
-    ax.set_xticks(range(len(routers)), routers)
+    ax.set_xticks(range(len(routers)), routers, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("CPU per request (µs), median of repeats")
     ax.set_title(f"Router CPU per request, saturated by wrk\n{subtitle}", fontsize=10)
     ax.legend()
