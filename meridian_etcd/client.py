@@ -25,7 +25,8 @@ member, never a hang.  gRPC keepalive pings find a dead connection under an open
 
 **Errors.**  Every foreign exception is translated by :func:`meridian_etcd.errors.classify` and
 raised as the layer's own, ``from`` the original; our own task's cancellation and exceptions
-that are no etcd failure (a bug) propagate as they are.
+that are no etcd failure (a bug) propagate as they are.  A task cancelled while its call fails
+gets ``CancelledError``, never the call's error: gRPC spends the cancel on the call.
 
 **Fencing.**  :meth:`Store.commit` with ``fence=`` runs one transaction guarded by a
 :class:`Fence` (the leader key's create revision and value as they were at election): if another
@@ -568,11 +569,16 @@ class Store:
     async def _translate(self, what: str, exc: BaseException, generation: int) -> EtcdError | None:
         """The layer's error for ``exc`` (dropping the client when the member is unavailable);
         ``None`` when ``exc`` must propagate as it is: our own task is being cancelled, or it is
-        no etcd failure (a bug to surface, not to hide)."""
-        if isinstance(exc, asyncio.CancelledError):
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+        no etcd failure (a bug to surface, not to hide).  Any other failure of a task being
+        cancelled raises ``CancelledError``: the cancel is never lost in the call's error."""
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            if isinstance(exc, asyncio.CancelledError):
                 return None
+            # gRPC turns a cancel that meets its call's end into the call's error: the task's
+            # cancellation was spent on the call and would be lost, and a caller that retries
+            # on Unavailable would never stop (a controller whose shutdown hung on it)
+            raise asyncio.CancelledError from exc
         kind = classify(exc)
         if kind is None:
             return None

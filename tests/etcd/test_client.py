@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import grpc
 import pytest
 
 import meridian_etcd
@@ -215,6 +216,36 @@ async def test_our_own_cancellation_propagates_as_it_is(etcd: EtcdServer) -> Non
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
+    finally:
+        await store.close()
+
+
+async def test_a_cancel_that_grpc_turns_into_the_calls_error_still_cancels(
+    etcd: EtcdServer,
+) -> None:
+    """gRPC's unary call catches the cancel of the task awaiting it and ends with the call's
+    status instead (``grpc.aio._call.UnaryUnaryCall._invoke``): when that status is an error,
+    the task sees an ``AioRpcError`` and its cancellation is spent.  The layer must still
+    cancel: read as Unavailable, a loop that retries on it never ended (a controller's and an
+    agent's shutdown hung on etcd being down, 2 of 20 tries against a dead member)."""
+    store = etcd_client(etcd.url)
+    metadata = grpc.aio.Metadata()
+
+    async def op(_: object) -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:  # what gRPC does with it
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, metadata, metadata, "failed to connect"
+            ) from None
+
+    try:
+        call = asyncio.create_task(store._call("put /t/a", op))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await store.get("/t/a") is None  # and the client still works
     finally:
         await store.close()
 
