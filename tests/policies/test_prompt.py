@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 import tracemalloc
@@ -165,6 +166,35 @@ def test_tokenize_prefix_is_the_head_of_tokenize(text: str, max_tokens: int) -> 
         assert head.total_tokens == len(whole)
     else:
         assert head.total_tokens > max_tokens
+
+
+_FRAGMENTS = st.sampled_from(
+    ["<|im_start|>", "<|im_end|>", "<|" + "a" * 32 + "|>", "<|x", "|>", " ", "  ", "\n",
+     " " * 90, "\t\n ", "word", " Supercalifragilistic", "12345", "7", "é", "😀", ".", "<"]
+)  # fmt: skip
+
+
+def _reference_prefix(text: str, max_tokens: int) -> tuple[tuple[int, ...], int]:
+    """The definition: the whole text's pieces, the first ``max_tokens`` of them, and where the
+    last of those ends."""
+    matches = list(prompt._PIECE.finditer(text))[:max_tokens]
+    ids = tuple(prompt.piece_id(m[0]) for m in matches)
+    return ids, (matches[-1].end() if matches else 0)
+
+
+@given(st.lists(_FRAGMENTS, max_size=400).map("".join), st.integers(1, 300))
+def test_tokenize_prefix_cuts_a_head_that_gives_the_whole_texts_pieces(
+    text: str, max_tokens: int
+) -> None:
+    """Pieces come from a head of the text: special tokens, long runs of whitespace and long
+    words that straddle the head's end still give the pieces (and the estimate) the whole text
+    gives."""
+    ids, end = _reference_prefix(text, max_tokens)
+    head = prompt.tokenize_prefix(text, max_tokens=max_tokens)
+    assert head.token_ids == ids
+    assert head.complete == (end == len(text))
+    if not head.complete:
+        assert head.total_tokens == len(ids) + math.ceil((len(text) - end) * len(ids) / end)
 
 
 def test_tokenize_prefix_estimates_the_rest_at_the_measured_rate() -> None:
