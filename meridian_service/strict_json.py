@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
+from collections.abc import Callable
 
 
 class BodyError(ValueError):
@@ -34,20 +36,48 @@ class _NonFinite:
         self.text = text
 
 
+class _Refused(Exception):
+    """A number JSON cannot hold, met by the fast decoder: parse again to say where."""
+
+
+def _refuse(text: str) -> object:
+    raise _Refused(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(text)
+    return value
+
+
+# one decoder per thread, built once (json.loads with hooks builds a decoder and its scanner per
+# call); its hooks refuse, so a body without NaN, Infinity or an overflowing number is parsed
+# once, and one with them a second time by _loads_naming, which says where
+_DECODERS = threading.local()
+
+
+def _decoder() -> json.JSONDecoder:
+    decoder: json.JSONDecoder | None = getattr(_DECODERS, "decoder", None)
+    if decoder is None:
+        decoder = _DECODERS.decoder = json.JSONDecoder(parse_constant=_refuse, parse_float=_finite)
+    return decoder
+
+
 def loads(raw: bytes | str) -> object:
     """``raw`` as JSON; :class:`BodyError` when it is not, or holds what JSON cannot."""
-    bad: list[_NonFinite] = []
-
-    def non_finite(text: str) -> object:
-        bad.append(_NonFinite(text))
-        return bad[-1]
-
-    def number(text: str) -> object:
-        value = float(text)
-        return value if math.isfinite(value) else non_finite(text)
-
     try:
-        data = json.loads(raw, parse_constant=non_finite, parse_float=number)
+        return _translated(_fast, raw)
+    except _Refused:
+        return _translated(_naming, raw)
+
+
+def _translated(parse: Callable[[bytes | str], object], raw: bytes | str) -> object:
+    """``parse(raw)``, with Python's parsing errors as :class:`BodyError`."""
+    try:
+        return parse(raw)
+    except BodyError:
+        raise
     except RecursionError:
         raise BodyError(
             "is nested too deeply: arrays and objects nested hundreds of levels deep are more "
@@ -60,12 +90,39 @@ def loads(raw: bytes | str) -> object:
             f"has an integer of more than {sys.get_int_max_str_digits()} digits, too long to "
             "parse; send numbers of an ordinary size"
         ) from None
-    if bad:
-        where = path_to(data, bad[0])
-        raise BodyError(
-            f"has {bad[0].text}, which is not a JSON number", field=where, literal=bad[0].text
-        )
-    return data
+
+
+def _fast(raw: bytes | str) -> object:
+    """``json.loads(raw)`` on this thread's decoder; :class:`_Refused` at a number JSON
+    cannot hold."""
+    if isinstance(raw, str):
+        if raw.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
+        text = raw
+    else:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    return _decoder().decode(text)
+
+
+def _naming(raw: bytes | str) -> object:
+    """The parse of a body that holds a number JSON cannot: the error names its field."""
+    bad: list[_NonFinite] = []
+
+    def non_finite(text: str) -> object:
+        bad.append(_NonFinite(text))
+        return bad[-1]
+
+    def number(text: str) -> object:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
+    data = json.loads(raw, parse_constant=non_finite, parse_float=number)
+    if not bad:  # cannot be: the fast decoder refused a number
+        raise BodyError("has a number that is not a JSON number")
+    where = path_to(data, bad[0])
+    raise BodyError(
+        f"has {bad[0].text}, which is not a JSON number", field=where, literal=bad[0].text
+    )
 
 
 def path_to(data: object, target: object) -> str:
