@@ -64,6 +64,10 @@ from typing import Final, Protocol
 DEFAULT_VOCAB_SIZE: Final = 32_000
 _PIECE: Final = re.compile(r"<\|[a-z_]{1,32}\|>| ?[A-Za-z]{1,8}|\d{1,3}|[^\sA-Za-z\d]|\s+")
 ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+# the stand-in's special tokens, where its tokenisation splits: the pieces of ``a + b`` are
+# those of ``a`` then those of ``b`` when ``b`` starts with one (no other piece holds a ``<``),
+# so ``encode_head`` may tokenise and cache a chat prompt by segments (``STAND_IN_SPECIAL``)
+STAND_IN_SPECIAL: Final = re.compile(r"<\|[a-z_]{1,32}\|>")
 _ROLES: Final = ROLES
 
 
@@ -219,6 +223,11 @@ def tokenize_prefix(text: str, *, max_tokens: int, vocab_size: int = DEFAULT_VOC
         return Prefix(token_ids=ids, total_tokens=len(ids), complete=True)
     rest = math.ceil((len(text) - end) * len(ids) / end)
     return Prefix(token_ids=ids, total_tokens=len(ids) + rest, complete=False)
+
+
+def tokenize_many(texts: Sequence[str]) -> list[tuple[int, ...]]:
+    """:func:`tokenize` of each text: the stand-in as :func:`encode_head`'s ``tokenize``."""
+    return [tokenize(text) for text in texts]
 
 
 def count_tokens(text: str) -> int:

@@ -3,7 +3,8 @@
 With a tokenizer configured for a model, the agent renders a chat request's messages with the
 model's chat template and tokenises the text with the model's ``tokenizer.json``, as vLLM does
 for the same request, so the block hashes it routes by are those of the tokens the node caches.
-Without one, ``policies.prompt``'s stand-in renders and tokenises, as before.
+Without one, ``policies.prompt``'s stand-in renders and tokenises, as before
+(:meth:`Prompts.encode_stand_in_chat`: by segments, with the same prefix cache).
 
 Rendering follows Hugging Face's ``apply_chat_template`` (transformers 5,
 ``utils/chat_template_utils.py``): an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``
@@ -662,10 +663,29 @@ class Prompts:
     models: Mapping[str, ModelPrompts] = dataclasses.field(default_factory=dict)
     default: ModelPrompts | None = None
     cache: prompt.PrefixCache | None = None
+    shared: _LockedCache | None = None  # ``cache`` behind its lock, for every model's prompts
 
     def for_model(self, model: str) -> ModelPrompts | None:
         """The model's own entry, else the default, else None (the stand-in)."""
         return self.models.get(model, self.default)
+
+    def encode_stand_in_chat(
+        self, messages: Sequence[object], *, block_size: int, max_tokens: int
+    ) -> prompt.Encoded:
+        """A chat prompt rendered and tokenised by the stand-in (a model without a tokenizer),
+        by segments before its special tokens with the prefix cache, as a model's own are: a
+        shared system prompt is tokenised and hashed once.  The hashes are those of
+        ``block_hashes(tokenize(render_chat(messages))[:max_tokens])`` for a prompt of at most
+        ``max_tokens * HEAD_CHARS_PER_TOKEN`` characters (``policies.prompt.encode_head``)."""
+        return prompt.encode_head(
+            prompt.render_chat(messages),
+            tokenize=prompt.tokenize_many,
+            block_size=block_size,
+            max_tokens=max_tokens,
+            boundaries=prompt.STAND_IN_SPECIAL,
+            cache=self.shared,
+            namespace=b"stand-in",
+        )
 
     def configured(self) -> bool:
         return self.default is not None or bool(self.models)
@@ -674,13 +694,13 @@ class Prompts:
 def load(settings: TokenizerSettings) -> Prompts:
     """Every tokenizer the settings name, loaded and checked; ``TokenizerLoadError`` names the
     setting and the file of the first that fails."""
+    cache = prompt.PrefixCache(max_bytes=settings.prefix_cache_bytes)
+    shared = _LockedCache(cache)
     if not settings.configured() and not settings.models:
-        return Prompts()
+        return Prompts(cache=cache, shared=shared)  # the stand-in's prompts use it too
     # a single-threaded tokenizer: the parse thread is the concurrency, and a process that
     # forks after the library's thread pool ran gets a warning on every fork
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cache = prompt.PrefixCache(max_bytes=settings.prefix_cache_bytes)
-    shared = _LockedCache(cache)
     default = (
         load_model(settings, setting="tokenizer", cache=shared) if settings.configured() else None
     )
@@ -688,7 +708,7 @@ def load(settings: TokenizerSettings) -> Prompts:
         name: load_model(files, setting=f"tokenizer.models.{json.dumps(name)}", cache=shared)
         for name, files in settings.models.items()
     }
-    return Prompts(models=models, default=default, cache=cache)
+    return Prompts(models=models, default=default, cache=cache, shared=shared)
 
 
 def load_model(files: TokenizerFiles, *, setting: str, cache: _LockedCache) -> ModelPrompts:

@@ -203,7 +203,7 @@ class RoutingSettings(_Group):
         description="tokens of a prompt that are tokenised and block-hashed for routing; past "
         "them the prompt's token count is estimated from the characters left, at the "
         "characters per token of the part tokenised, and prefixes are matched on these first "
-        "tokens only (a bound on the work one request costs: 1.5-3 us a token with the "
+        "tokens only (a bound on the work one request costs: 0.5-0.7 us a token with the "
         "stand-in; with a model's tokenizer at most 8 characters a token are read); raise it "
         "for long-context models whose prompts share more than this; default 8192",
     )
@@ -370,9 +370,9 @@ class TokenizerSettings(TokenizerFiles):
     prefix_cache_bytes: int = Field(
         16 * 1024 * 1024,
         ge=0,
-        description="memory for the prefix states of every model's prompts (a shared system "
-        "prompt is tokenised and hashed once), least recently used first out; estimated, an "
-        "upper bound; 0: no cache; default 16 MiB",
+        description="memory for the prefix states of every model's prompts, the stand-in's "
+        "too (a shared system prompt is tokenised and hashed once), least recently used first "
+        "out; estimated, an upper bound; 0: no cache; default 16 MiB",
     )
 
 

@@ -77,6 +77,7 @@ from regional_agent.upstream import Timeouts, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
+_STAND_IN = Prompts()  # no tokenizer and no prefix cache: for a caller that passes no prompts
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_ASSUMED_MAX_TOKENS = 256  # for accounting only, when a chat request names no limit
 _FORWARD_HEADERS = ("Authorization", "X-Request-ID", "traceparent", "tracestate")
@@ -227,11 +228,10 @@ def _parse_body(
                 )
                 hashes, prompt_tokens = head.block_hashes, head.total_tokens
             else:
-                prefix = prompt.tokenize_prefix(
-                    prompt.render_chat(messages), max_tokens=max_prompt_tokens
+                head = (prompts or _STAND_IN).encode_stand_in_chat(
+                    messages, block_size=block_tokens, max_tokens=max_prompt_tokens
                 )
-                hashes = prompt.block_hashes(prefix.token_ids, block_size=block_tokens)
-                prompt_tokens = prefix.total_tokens
+                hashes, prompt_tokens = head.block_hashes, head.total_tokens
         else:
             hashes, prompt_tokens = _completion_tokens(
                 body, max_prompt_tokens, block_tokens=block_tokens, own=own

@@ -21,6 +21,8 @@ import aiohttp
 import pydantic
 import pytest
 import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies import prompt
 from regional_agent import prompts
@@ -492,3 +494,63 @@ def test_a_completion_and_its_special_tokens_as_vllm_reads_them(tmp_path: Path) 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "no"}
     with pytest.raises(BadRequest, match="'tools' must be a list"):
         handlers._parse_body(json.dumps(chat).encode(), {}, settings, chat=True, prompts=loaded)
+
+
+# -- the stand-in's prompts, by segments and cached ------------------------------------------------
+
+_WORDS = st.sampled_from(
+    ["route", " token", " cache", "7", "42 ", ".", "\n", "  ", "é", "<|x", "|>"]
+)
+_TEXTS = st.lists(_WORDS, max_size=60).map("".join)
+_ROLES = st.sampled_from(["system", "user", "assistant"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    system=_TEXTS,
+    turns=st.lists(st.tuples(_ROLES, _TEXTS), min_size=1, max_size=6),
+    max_tokens=st.integers(1, 400),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_the_stand_ins_cached_prompts_hash_as_the_whole_text_does(
+    system: str, turns: list[tuple[str, str]], max_tokens: int, block_size: int
+) -> None:
+    """A chat prompt tokenised by segments with the prefix cache hashes as the whole rendered
+    text tokenised at once (what the simulator caches by): for a prompt seen first, for one
+    sharing a system prompt with it, for a conversation that grew by a turn, and for a repeat;
+    the count is exact when the prompt fits the head."""
+    loaded = prompts.load(TokenizerSettings())
+    assert loaded.shared is not None and not loaded.configured()
+    first = [{"role": "system", "content": system}, *({"role": r, "content": c} for r, c in turns)]
+    other = [{"role": "system", "content": system}, {"role": "user", "content": "another"}]
+    grown = [*first, {"role": "user", "content": "and then?"}]
+    for messages in (first, other, grown, first):
+        text = prompt.render_chat(messages)
+        if len(text) > max_tokens * prompt.HEAD_CHARS_PER_TOKEN:
+            continue  # past the head the cut may drop a token (encode_head's docstring)
+        whole = prompt.tokenize(text)
+        got = loaded.encode_stand_in_chat(messages, block_size=block_size, max_tokens=max_tokens)
+        assert got.block_hashes == prompt.block_hashes(whole[:max_tokens], block_size=block_size)
+        assert got.complete == (len(whole) <= max_tokens)
+        if got.complete:
+            assert got.total_tokens == len(whole)
+        else:  # estimated when a cached state already filled the head
+            assert got.total_tokens >= max_tokens
+
+
+def test_the_stand_in_hashes_a_shared_system_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second request with the same 2,000-word system prompt tokenises only its question."""
+    loaded = prompts.load(TokenizerSettings())
+    system = " ".join(f"word{i % 97}" for i in range(2000))
+    calls: list[int] = []
+    tokenize_many = prompt.tokenize_many
+
+    def counting(texts: Sequence[str]) -> list[tuple[int, ...]]:
+        calls.append(sum(len(t) for t in texts))
+        return tokenize_many(texts)
+
+    monkeypatch.setattr(prompt, "tokenize_many", counting)
+    for question in ("first?", "second?"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        loaded.encode_stand_in_chat(messages, block_size=16, max_tokens=8192)
+    assert calls[0] > len(system) and calls[1] < 100, calls
