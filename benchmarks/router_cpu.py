@@ -295,12 +295,13 @@ def plot_sweep(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> 
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for router in dict.fromkeys(s["router"] for s in summary):
-        for mode, style in zip(MODES, ("-", "--"), strict=True):
+    colours = plt.get_cmap("tab10").colors
+    for i, router in enumerate(dict.fromkeys(s["router"] for s in summary)):
+        for mode, style in zip(MODES, ("-", "--"), strict=True):  # a router's colour, a mode's line
             pts = sorted((s["prompt_words"], s["cpu_us_median"]) for s in summary
                          if s["router"] == router and s["mode"] == mode)  # fmt: skip
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
-                    label=f"{router} {mode}")  # fmt: skip
+                    color=colours[i % len(colours)], label=f"{router} {mode}")  # fmt: skip
     ax.set_xlabel("words of the shared system prompt (plus a ~22-token question)")
     ax.set_ylabel("CPU per request (µs), median of repeats")
     ax.set_title(f"Router CPU per request by prompt length\n{subtitle}", fontsize=10)
