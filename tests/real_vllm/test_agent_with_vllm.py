@@ -229,13 +229,19 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
         # kill comes; the kill comes as soon as every stream has its first token
         wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
         # and are dispatched before any stream arrives: four requests arriving whole, stream,
-        # whole, stream put every stream on one node (a CI run saw it)
-        async with asyncio.timeout(60):
-            while True:
-                nodes = await _admin_nodes(handle)
-                if sum(n["in_flight"] for n in nodes.values()) == 4:
-                    break
-                await asyncio.sleep(0.05)
+        # whole, stream put every stream on one node (a CI run saw it).  Dispatches are counted,
+        # not requests in flight: on a fast host a whole request finished before the fourth was
+        # seen in flight, and a wait for four in flight never ended (another CI run)
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            nodes = await _admin_nodes(handle)
+            if sum(n["requests_total"] for n in nodes.values()) >= 4:
+                break
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"the whole requests were not all dispatched in 60 s: nodes {nodes}, "
+                f"requests {[w.exception() if w.done() else 'running' for w in wholes]}"
+            )
+            await asyncio.sleep(0.05)
         streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
         doomed.kill()
