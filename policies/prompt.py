@@ -22,20 +22,22 @@ pieces, left to right, by one regular expression:
 Measured on this repository's design notes: English prose comes out at 1.3 tokens per word (4.7
 characters per token), close to Llama-3's tokenizer; Markdown dense with code and tables at about
 2 tokens per word.  Each
-piece's id is the first four bytes of its BLAKE2b digest modulo ``vocab_size``: equal text gives
-equal ids, which is all prefix caching needs.
+piece's id is the CRC-32 of its UTF-8 modulo ``vocab_size``: equal text gives equal ids, which is
+all prefix caching needs.
 
 Text must be valid Unicode: a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON, and Python's
 ``json`` decodes it to a string no UTF-8 encoder accepts) raises :class:`PromptError` naming the
 field (:func:`check_text`), never ``UnicodeEncodeError``.
 
-Bounded work (``tokenize_prefix``): the tokenizer is a regular expression plus one dict lookup
-a piece (an id is hashed once per distinct piece), 0.5-0.7 µs a token with the block hashes
-(1 MB of this repository's Markdown docs, 364k tokens, in 0.18-0.26 s; the per-piece cached
-hash before it took 1.0-1.4 µs in the same runs, on a shared 2-core development host,
-2026-12-01), so a caller that must answer fast tokenizes only a prompt's first ``max_tokens``
-tokens and estimates the rest from the characters left, at the characters per token of the
-part it tokenized.
+Bounded work (``tokenize_prefix``): the tokenizer is a regular expression plus C loops over
+its pieces (UTF-8, CRC-32, modulo, in ``map``), so an unseen word costs what a seen one does:
+0.4-0.8 µs a token with the block hashes for 100,000 random words and 0.5-0.6 µs for 1 MB of
+this repository's Markdown docs (364k tokens).  The BLAKE2b id it replaced, cached per piece in
+a dict, cost 0.4-0.6 µs on the docs but 1.6-2.6 µs on the random words, whose every piece
+missed (three interleaved runs each on a shared 2-core development host, 2026-12-01).  So a
+caller that must answer fast tokenizes only a prompt's first ``max_tokens`` tokens and
+estimates the rest from the characters left, at the characters per token of the part it
+tokenized.
 
 A served model's own tokenizer (``encode_head``, below; the agent's ``[tokenizer]`` settings,
 ``regional_agent.prompts``) comes in as a callable, so that this module stays pure: the
@@ -55,8 +57,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import operator
 import re
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -134,45 +138,27 @@ def pieces(text: str) -> list[str]:
     return _PIECE.findall(text)
 
 
-class _PieceIds(dict[str, int]):
-    """Piece -> token id for one vocabulary size, filled on first sight: a hit is a dict
-    lookup at C speed, so tokenising costs the regular expression plus one lookup a piece.
-    Emptied when it reaches ``_PIECE_IDS_MAX`` pieces (words repeat: it refills at once)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-
-    def __missing__(self, piece: str) -> int:
-        digest = hashlib.blake2b(piece.encode("utf-8"), digest_size=4).digest()
-        value = int.from_bytes(digest, "little") % self.vocab_size
-        if len(self) >= _PIECE_IDS_MAX:
-            self.clear()
-        self[piece] = value
-        return value
-
-
-_PIECE_IDS_MAX: Final = 1 << 16
-_PIECE_IDS: dict[int, _PieceIds] = {}
 # how far a piece's match can look past its own end: a special token, ``<|`` + 32 + ``|>``
 _PIECE_LOOKAHEAD: Final = 36
 
 
-def _ids_for(vocab_size: int) -> _PieceIds:
-    ids = _PIECE_IDS.get(vocab_size)
-    if ids is None:
-        ids = _PIECE_IDS[vocab_size] = _PieceIds(vocab_size)
-    return ids
+def _piece_ids(pieces: list[str], vocab_size: int) -> tuple[int, ...]:
+    """Each piece's id, ``crc32(UTF-8) % vocab_size``, in C loops only (``map``): no Python frame
+    a piece, so an unseen piece costs what a seen one does (``UnicodeEncodeError`` for a lone
+    surrogate)."""
+    return tuple(
+        map(operator.mod, map(zlib.crc32, map(str.encode, pieces)), itertools.repeat(vocab_size))
+    )
 
 
 def piece_id(piece: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
-    return _ids_for(vocab_size)[piece]
+    return zlib.crc32(piece.encode("utf-8")) % vocab_size
 
 
 def tokenize(text: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[int, ...]:
     """Token ids of ``text``: deterministic, and equal for equal text."""
     try:
-        return tuple(map(_ids_for(vocab_size).__getitem__, _PIECE.findall(text)))
+        return _piece_ids(_PIECE.findall(text), vocab_size)
     except UnicodeEncodeError:
         check_text(text, field="the text")  # raises PromptError saying where
         raise
@@ -214,7 +200,7 @@ def tokenize_prefix(text: str, *, max_tokens: int, vocab_size: int = DEFAULT_VOC
         limit *= 2
     head = head[:max_tokens]
     try:
-        ids = tuple(map(_ids_for(vocab_size).__getitem__, head))
+        ids = _piece_ids(head, vocab_size)
     except UnicodeEncodeError:
         check_text(text, field="the text")
         raise
