@@ -88,12 +88,13 @@ class NodeViews(list[NodeView]):
     one between requests and replaces a view in it (``replace``) when only the agent's
     accounting of that node moved, which never changes who is routable."""
 
-    __slots__ = ("_probation", "_routable", "by_id")
+    __slots__ = ("_probation", "_routable", "_routable_set", "by_id")
 
     def __init__(self, views: Iterable[NodeView] = ()) -> None:
         super().__init__(views)
         self.by_id: dict[NodeId, NodeView] = {v.node_id: v for v in self}
         self._routable: dict[str, list[NodeId]] = {}
+        self._routable_set: dict[str, frozenset[NodeId]] = {}
         self._probation: dict[str, list[NodeId]] = {}
 
     def routable(self, model: str) -> list[NodeId]:
@@ -102,6 +103,13 @@ class NodeViews(list[NodeView]):
             ids = self._routable[model] = [
                 v.node_id for v in self if v.routable and model in v.models
             ]
+        return ids
+
+    def routable_set(self, model: str) -> frozenset[NodeId]:
+        """:meth:`routable` as a set, for membership."""
+        ids = self._routable_set.get(model)
+        if ids is None:
+            ids = self._routable_set[model] = frozenset(self.routable(model))
         return ids
 
     def probation(self, model: str) -> list[NodeId]:

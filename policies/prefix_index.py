@@ -50,12 +50,15 @@ ENTRY_BYTES: Final = 340
 dict with one node's float (measured with tracemalloc on 200k entries: 340-400 bytes)."""
 
 
+_POSITIONS_KEPT: Final = 4096  # prompt lengths whose indexed positions are kept
+
+
 class PrefixIndex:
     """Chained block hash → {node: last seen}, LRU-bounded to ``capacity_blocks`` entries,
     one entry per block of a prompt's first ``dense_head_blocks``, then one per
     ``stride_blocks`` blocks (and its last block)."""
 
-    __slots__ = ("_capacity_blocks", "_entries", "_head", "_stride", "_ttl_s")
+    __slots__ = ("_by_length", "_capacity_blocks", "_entries", "_head", "_stride", "_ttl_s")
 
     def __init__(
         self,
@@ -79,6 +82,7 @@ class PrefixIndex:
         self._head = dense_head_blocks
         # Oldest touch first.  The inner dicts hold one timestamp per node (a handful of nodes).
         self._entries: OrderedDict[int, dict[NodeId, float]] = OrderedDict()
+        self._by_length: dict[int, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         """Entries (distinct block hashes) held now, expired ones not yet met included."""
@@ -92,14 +96,20 @@ class PrefixIndex:
         """About what the index costs when full (``capacity_blocks * ENTRY_BYTES``)."""
         return self._capacity_blocks * ENTRY_BYTES
 
-    def _positions(self, length: int) -> list[int]:
+    def _positions(self, length: int) -> tuple[int, ...]:
         """Indexed block positions of a prompt of ``length`` blocks: every one in the dense
-        head, then every stride-th past it, and the last."""
-        head, k = min(self._head, length), self._stride
-        positions = list(range(head))
-        positions += range(head + k - 1, length, k)
-        if length and (not positions or positions[-1] != length - 1):
-            positions.append(length - 1)
+        head, then every stride-th past it, and the last (kept by length: prompts repeat their
+        lengths, and this runs twice a request)."""
+        positions = self._by_length.get(length)
+        if positions is None:
+            head, k = min(self._head, length), self._stride
+            found = list(range(head))
+            found += range(head + k - 1, length, k)
+            if length and (not found or found[-1] != length - 1):
+                found.append(length - 1)
+            if len(self._by_length) >= _POSITIONS_KEPT:
+                self._by_length.clear()
+            positions = self._by_length[length] = tuple(found)
         return positions
 
     def insert(self, hashes: Sequence[int], node: NodeId, *, now: float) -> None:
@@ -138,11 +148,12 @@ class PrefixIndex:
             holders = entries.get(hashes[position])
             if holders is not None and min(holders.values()) < oldest:
                 holders = self._holders(hashes[position], oldest)  # drops the expired claims
+            if alive is not None and holders is not None and alive.keys() <= holders.keys():
+                previous = position  # the usual case in a shared prefix: everyone still holds it
+                continue
             leaving: list[NodeId] | None
             if alive is None:
                 leaving = [] if holders is None else None  # None: any node not in holders
-            elif holders is not None and alive.keys() <= holders.keys():
-                leaving = []  # the usual case in a shared prefix: everyone still holds it
             else:
                 leaving = [n for n in alive if holders is None or n not in holders]
             if position - previous > 1 and (leaving is None or leaving):

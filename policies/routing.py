@@ -823,18 +823,16 @@ class _Meridian(_Indexed):
             else dict(heapq.nlargest(limit, matched.items(), key=operator.itemgetter(1)))
         )  # a prompt cached on many nodes: the longest matches
         bounded: dict[NodeId, NodeView] = {}
-        for node_id in holders:
-            view = by_id.get(node_id)
-            if (
-                view is not None
-                and view.routable
-                and view.has_slot
-                and request.model in view.models
-            ):
-                bounded[node_id] = view
+        serving = nodes.routable_set(request.model)
+        probation = Health.PROBATION
+        for node_id in holders:  # NodeView.has_slot, inline
+            if node_id in serving:
+                view = by_id[node_id]
+                if view.in_flight < (1 if view.health is probation else view.slots):
+                    bounded[node_id] = view
         for node_id in rng.sample(ids, limit):
             view = by_id[node_id]
-            if view.has_slot:
+            if view.in_flight < (1 if view.health is probation else view.slots):
                 bounded.setdefault(node_id, view)
         if not bounded:  # the sample drew full nodes only: look at every one
             everyone = candidates(request, nodes)
@@ -855,36 +853,61 @@ class _Meridian(_Indexed):
         rng: random.Random,
         matches: list[int] | None = None,
     ) -> Decision:
+        # The class docstring's cost, term by term in its order (the same floats: each sum is
+        # taken left to right as written there), with the config's weights and each node's
+        # warm-up and capacity read once: a candidate costs two loop bodies, no call.
         cfg = self._config
         if matches is None:
             matches = self._matches(request, ready, now)
         blocks = len(request.block_hashes)
         request_tokens = request.prompt_tokens + request.max_tokens
-        warm = [_warm(n, cfg) for n in ready]
-        tok = [
-            (n.in_flight_tokens + request_tokens) / (max(n.weight, _MIN_WEIGHT) * w)
-            for n, w in zip(ready, warm, strict=True)
-        ]
+        floor = cfg.slow_start_floor
+        warm: list[float] = []
+        caps: list[float] = []
+        tok: list[float] = []
+        for n in ready:  # _warm and max(weight, _MIN_WEIGHT), inline
+            w = n.slow_start if n.slow_start > floor else floor
+            if w > 1.0:
+                w = 1.0
+            cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
+            warm.append(w)
+            caps.append(cap)
+            tok.append((n.in_flight_tokens + request_tokens) / cap)
         tok_max = max(max(tok), 1e-12)
-        costs: list[float] = []
+        neg_prefix = -cfg.meridian_prefix_weight
+        queue_w = cfg.meridian_queue_weight
+        kv_w = cfg.meridian_kv_weight
+        kv_high = cfg.kv_high_watermark
+        tokens_w = cfg.meridian_tokens_weight
         prefill_scale = cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens
-        for n, w, matched, t in zip(ready, warm, matches, tok, strict=True):
+        probation_w = cfg.meridian_probation_penalty
+        unknown_w = cfg.meridian_unknown_penalty
+        prompt_tokens = request.prompt_tokens
+        block_tokens = request.block_tokens
+        probation = Health.PROBATION
+        costs: list[float] = []
+        for n, w, cap, matched, t in zip(ready, warm, caps, matches, tok, strict=True):
             telemetry = n.telemetry
-            own = max(0, request.prompt_tokens - matched * request.block_tokens)
-            waiting = 0 if telemetry is None else telemetry.waiting
-            kv = 0.0 if telemetry is None else telemetry.kv_util
-            cost = (
-                -cfg.meridian_prefix_weight * (matched / blocks if blocks else 0.0)
-                + cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (max(n.slots, 1) * w)
-                + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0))
-                + cfg.meridian_tokens_weight * t / tok_max
-                + prefill_scale * (n.prefill_tokens + own) / (max(n.weight, _MIN_WEIGHT) * w)
-                + cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
-                + cfg.meridian_unknown_penalty * (telemetry is None)
+            own = prompt_tokens - matched * block_tokens
+            if own < 0:
+                own = 0
+            if telemetry is None:
+                waiting, kv = 0, 0.0
+            else:
+                waiting, kv = telemetry.waiting, telemetry.kv_util
+            slots = n.slots if n.slots > 1 else 1
+            costs.append(
+                neg_prefix * (matched / blocks if blocks else 0.0)
+                + queue_w * (n.in_flight + waiting + 1) / (slots * w)
+                + kv_w * (kv + (1.0 if kv >= kv_high else 0.0))
+                + tokens_w * t / tok_max
+                + prefill_scale * (n.prefill_tokens + own) / cap
+                + probation_w * (n.health is probation)
+                + unknown_w * (telemetry is None)
             )
-            costs.append(cost)
         lowest = min(costs)
-        tied = [i for i, c in enumerate(costs) if c <= lowest + _TIE]
+        bound = lowest + _TIE
+        tied = [i for i, c in enumerate(costs) if c <= bound]
         i = tied[0] if len(tied) == 1 else rng.choice(tied)
         pick = ready[i]
         queued = "?" if pick.telemetry is None else str(pick.telemetry.waiting)

@@ -807,3 +807,61 @@ def test_bounded_meridian_finds_the_one_node_with_a_free_slot() -> None:
     assert decision.node == "free"
     full = NodeViews(node(f"n{i}", in_flight=64) for i in range(256))
     assert policy.choose(req(), full, now=0.0, rng=random.Random(1)).node is None
+
+
+def _reference_meridian_costs(
+    request: RequestView, ready: Sequence[NodeView], matches: Sequence[int]
+) -> list[float]:
+    """The ``meridian`` class docstring's cost, written out plainly (the code before the
+    scoring loop was inlined), so that the fast loop is held to the same floats."""
+    cfg = CONFIG
+    blocks_ = len(request.block_hashes)
+    warm = [min(1.0, max(n.slow_start, cfg.slow_start_floor)) for n in ready]
+    tok = [
+        (n.in_flight_tokens + request.prompt_tokens + request.max_tokens)
+        / (max(n.weight, 1e-6) * w)
+        for n, w in zip(ready, warm, strict=True)
+    ]
+    tok_max = max(max(tok), 1e-12)
+    prefill_scale = cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens
+    costs = []
+    for n, w, matched, t in zip(ready, warm, matches, tok, strict=True):
+        telemetry = n.telemetry
+        own = max(0, request.prompt_tokens - matched * request.block_tokens)
+        waiting = 0 if telemetry is None else telemetry.waiting
+        kv = 0.0 if telemetry is None else telemetry.kv_util
+        costs.append(
+            -cfg.meridian_prefix_weight * (matched / blocks_ if blocks_ else 0.0)
+            + cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (max(n.slots, 1) * w)
+            + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0))
+            + cfg.meridian_tokens_weight * t / tok_max
+            + prefill_scale * (n.prefill_tokens + own) / (max(n.weight, 1e-6) * w)
+            + cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
+            + cfg.meridian_unknown_penalty * (telemetry is None)
+        )
+    return costs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pool=_pools(),
+    request=_requests,
+    matches=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+    seed=st.integers(),
+)
+def test_meridian_scores_each_candidate_by_its_documented_cost(
+    pool: list[NodeView], request: RequestView, matches: list[int], seed: int
+) -> None:
+    """The lowest documented cost wins (ties by ``rng``), float for float, whatever the
+    telemetry, warm-up, weights, slots and matches."""
+    ready = routing.candidates(request, pool)
+    if not ready:
+        return
+    matches = matches[: len(ready)]
+    got = routing.create("meridian", CONFIG)
+    policy = got._choose  # type: ignore[attr-defined]
+    decision = policy(request, ready, now=0.0, rng=random.Random(seed), matches=matches)
+    costs = _reference_meridian_costs(request, ready, matches)
+    tied = [i for i, c in enumerate(costs) if c <= min(costs) + 1e-9]
+    want = tied[0] if len(tied) == 1 else random.Random(seed).choice(tied)
+    assert decision.node == ready[want].node_id, (costs, decision)
