@@ -43,6 +43,8 @@ from regional_agent.errors import UpstreamProtocolError, UpstreamStatus, Upstrea
 
 _CONNECTION_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 _LARGE_BODY_BYTES = 1024 * 1024  # aiohttp's own threshold for its warning
+# a timer may fire this early (uvloop's are in milliseconds): a wait this close to its end is over
+_TIMER_SLACK_S = 0.001
 
 
 def _why(exc: BaseException) -> str:
@@ -63,7 +65,13 @@ class Timeouts:
 
 
 class UpstreamResponse:
-    """A node's response whose headers have arrived; iterate its body chunk by chunk."""
+    """A node's response whose headers have arrived; iterate its body chunk by chunk.
+
+    The silences are timed by one timer per response, not one per read: a read that has to wait
+    notes when its wait must end, and the timer, when it fires, cancels that read only if the
+    wait has run that long, else moves itself to the read's own end.  A stream of thousands of
+    chunks sets the timer a few times, once per ``gap_s`` at most, where an ``asyncio.timeout``
+    per read scheduled and cancelled one per chunk."""
 
     def __init__(
         self,
@@ -80,6 +88,10 @@ class UpstreamResponse:
         self._started = False  # the body's first bytes have arrived
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/octet-stream")
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task[Any] | None = None  # the task in a read that waits
+        self._wait_until = 0.0  # loop time at which that read's wait runs out
+        self._expired = False  # the timer cancelled the waiting read
 
     async def _next(self) -> bytes:
         """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
@@ -90,26 +102,60 @@ class UpstreamResponse:
             return buffered
         if content.at_eof():
             return b""
-        t = self._timeouts
-        left_s = self._first_byte_deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
         waiting_first = not self._started  # the first bytes are due by the first-byte deadline
-        limit_s = left_s if waiting_first else t.gap_s
+        until = self._first_byte_deadline if waiting_first else loop.time() + self._timeouts.gap_s
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        self._wait_until = until
+        self._waiter = task
+        timer = self._timer
+        if timer is None or timer.when() > until:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(until, self._on_timer)
         try:
-            async with asyncio.timeout(max(limit_s, 0.0)):
-                chunk = await self._response.content.readany()
-        except TimeoutError:
-            if waiting_first:
-                raise UpstreamUnavailable(
-                    f"node {self.node_id} sent no first byte within {t.first_byte_s:g} s "
-                    f"({t.first_byte_name}): the engine may have stopped stepping",
-                    node_id=self.node_id,
-                ) from None
-            raise UpstreamUnavailable(
-                f"node {self.node_id} sent nothing for {t.gap_s:g} s ({t.gap_name})",
-                node_id=self.node_id,
-            ) from None
+            chunk = await content.readany()
+        except asyncio.CancelledError:
+            if self._expired and task.uncancel() <= cancelling:
+                self._expired = False
+                raise self._silence(waiting_first) from None
+            raise  # cancelled from outside (as well)
+        finally:
+            self._waiter = None
         self._started = True
         return chunk
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None:
+            return  # between two reads: the next read that waits sets it again
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._wait_until - _TIMER_SLACK_S:  # the wait began after it was set
+            self._timer = loop.call_at(self._wait_until, self._on_timer)
+            return
+        self._expired = True
+        waiter.cancel()
+
+    def _silence(self, waiting_first: bool) -> UpstreamUnavailable:
+        t = self._timeouts
+        if waiting_first:
+            return UpstreamUnavailable(
+                f"node {self.node_id} sent no first byte within {t.first_byte_s:g} s "
+                f"({t.first_byte_name}): the engine may have stopped stepping",
+                node_id=self.node_id,
+            )
+        return UpstreamUnavailable(
+            f"node {self.node_id} sent nothing for {t.gap_s:g} s ({t.gap_name})",
+            node_id=self.node_id,
+        )
+
+    def _close_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -260,7 +306,11 @@ class NodeClient:
                     body=payload,
                     content_type=response.headers.get("Content-Type", "application/json"),
                 )
-            yield UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
+            up = UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
+            try:
+                yield up
+            finally:
+                up._close_timer()
         finally:
             if response.content.at_eof():
                 response.release()  # fully read: the connection goes back to the pool
