@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
+import uvloop
 from aiohttp import web
 
 from regional_agent.errors import UpstreamUnavailable
@@ -129,3 +130,18 @@ async def test_an_outside_cancel_during_a_wait_stays_a_cancel() -> None:
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
+
+
+def test_on_uvloop_too_a_steady_stream_passes_and_a_silence_is_cut() -> None:
+    """uvloop, the agent's default loop, keeps its timers in milliseconds: the same limits hold
+    on it (a synchronous test: it runs its own loop)."""
+
+    async def scenarios() -> None:
+        got = await _read([0.05] * 20)
+        assert b"".join(got).count(b"data: ") == 20
+        seen: list[float] = []
+        with pytest.raises(UpstreamUnavailable, match=r"sent nothing for 0.25 s"):
+            await _read([0.05] * 4 + [None], on_chunk=lambda _: seen.append(time.monotonic()))
+        assert GAP_S - 0.01 <= time.monotonic() - seen[-1] < GAP_S + 0.5
+
+    uvloop.run(scenarios())
