@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import uvloop
@@ -71,7 +71,7 @@ async def _read(
 
 
 @pytest.fixture
-def timer_fires(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[float]]:
+def timer_fires(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """When each response's timer fired."""
     fired: list[float] = []
     original = upstream.UpstreamResponse._on_timer
@@ -81,7 +81,7 @@ def timer_fires(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[float]]:
         original(self)
 
     monkeypatch.setattr(upstream.UpstreamResponse, "_on_timer", counting)
-    return fired  # type: ignore[return-value]
+    return fired
 
 
 async def test_a_steady_stream_longer_than_many_gaps_is_read_whole_with_few_timer_fires(
