@@ -336,7 +336,10 @@ async def test_etcd_outage_agent_keeps_serving_then_converges(
             got = await eventually(lambda: status(c), what="the status back")
             assert got[0].nodes_healthy == 2
             await eventually(lambda: publisher.link.up is True, what="etcd seen back")
-            assert caplog.text.count("etcd reachable again") == 1
+            # once per transition: a just-restarted etcd can time out one more watch and flap the
+            # link down and up again (a CI run saw it), which logs each way once more
+            back = caplog.text.count("etcd reachable again")
+            assert back >= 1 and back == caplog.text.count("etcd unreachable"), caplog.text
             if comeback == "empty":
                 assert lease != first_lease  # etcd forgot the lease: a new one was granted
                 assert "liveness lease lost" in caplog.text

@@ -188,9 +188,16 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
     doomed = vllm_extra(cpu="0")
     survivor = vllm_nodes[1]
     # three vLLM engines busy-poll the 2 cores here, and the agent's loop can wait seconds for
-    # one: a retry's connect to the survivor once ran past the default 2 s and failed the test
+    # one: a retry's connect to the survivor once ran past the default 2 s and failed the test;
+    # and a /health probe of a starved engine can take seconds: with the tests' 0.5 s probes the
+    # doomed node went unhealthy before its streams were dispatched (a CI run), every stream went
+    # to the survivor and no stream was cut.  Here a node leaves the pool only when it is dead
     handle = await start_agent(
-        [doomed.url, survivor.url], policy="round_robin", upstream={"connect_timeout_s": 10.0}
+        [doomed.url, survivor.url],
+        policy="round_robin",
+        upstream={"connect_timeout_s": 10.0},
+        health={"probe_timeout_s": 10.0, "unhealthy_after": 3},
+        telemetry={"scrape_timeout_s": 10.0, "stale_after_s": 30.0},
     )
     started = [asyncio.Event() for _ in range(4)]
     outcomes: list[str] = []
@@ -244,6 +251,11 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
             await asyncio.sleep(0.05)
         streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
+        nodes = await _admin_nodes(handle)
+        # what the count of clean errors below rests on: two streams are running on the doomed
+        # node, with any whole request not yet finished there
+        assert nodes[doomed.url]["health"]["state"] == "healthy", nodes
+        assert nodes[doomed.url]["in_flight"] >= 2, nodes
         doomed.kill()
         # a hang would fail here rather than at the test timeout
         await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
