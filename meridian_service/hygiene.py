@@ -203,8 +203,9 @@ class Site(web.TCPSite):
         port: int,
         *,
         ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
     ) -> None:
-        super().__init__(runner, host, port, ssl_context=ssl_context)
+        super().__init__(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
         self._handshake_timeout_s = runner.connections.limits.header_timeout_s
 
     async def start(self) -> None:
@@ -236,10 +237,16 @@ class Site(web.TCPSite):
 
 
 def site(
-    runner: Runner, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None
+    runner: Runner,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    reuse_port: bool = False,
 ) -> Site:
-    """A site of ``runner`` on ``host:port``, HTTPS with ``ssl_context`` (see :class:`Site`)."""
-    return Site(runner, host, port, ssl_context=ssl_context)
+    """A site of ``runner`` on ``host:port``, HTTPS with ``ssl_context`` (see :class:`Site`);
+    ``reuse_port``: bound with SO_REUSEPORT, beside other processes' sockets on the port."""
+    return Site(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port)
 
 
 def _check_aiohttp() -> None:

@@ -28,6 +28,9 @@ async def serve(
     label: str = "server",
     tls: tls_module.ServerTls | None = None,
     on_ready: Callable[[int], None] | None = None,
+    reuse_port: bool = False,
+    unix_path: str | None = None,
+    announce: bool = True,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then clean up; ``on_ready(port)`` once bound.
 
@@ -38,6 +41,10 @@ async def serve(
     the app started (the controller's admin port).
     Signal handlers are installed before ``READY http(s)://host:port`` is printed, so a
     supervisor that signals right after reading the line never kills the process uncleanly.
+
+    For one of several processes serving a port (``regional_agent.workers``): ``reuse_port``
+    binds with SO_REUSEPORT, ``unix_path`` serves the app on that Unix socket too (plain HTTP,
+    the same limits), and ``announce=False`` leaves the READY line to the supervisor.
     """
     runner = hygiene.runner(
         app, limits, label=label, handler_cancellation=handler_cancellation, access_log=None
@@ -46,9 +53,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     hup = False
     try:
-        site = hygiene.site(runner, host, port, ssl_context=tls.context if tls else None)
+        site = hygiene.site(
+            runner, host, port, ssl_context=tls.context if tls else None, reuse_port=reuse_port
+        )
         await site.start()
         bound = site.bound_port
+        if unix_path is not None:
+            await web.UnixSite(runner, unix_path).start()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
@@ -59,8 +70,9 @@ async def serve(
                 hup = True
         if on_ready is not None:
             on_ready(bound)
-        scheme = "https" if tls is not None else "http"
-        print(f"READY {scheme}://{host}:{bound}", flush=True)
+        if announce:
+            scheme = "https" if tls is not None else "http"
+            print(f"READY {scheme}://{host}:{bound}", flush=True)
         await stop.wait()
     finally:
         if hup:

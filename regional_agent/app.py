@@ -8,6 +8,8 @@
                       group tables' sync; app key PUBLISHER
 ``autoscaler``        unless autoscaler.actuator is "none"; app key AUTOSCALER
 ``discovery``         with [[discovery.dns]] names: nodes from DNS; app key DISCOVERY
+``workers``           one of several workers (``worker`` given, ``workers.count`` above 1):
+                      shared load, prefix relay, admin relay, merged metrics; app key WORKERS
 ====================  ==========================================================================
 
 Background tasks (telemetry scrapes, health probes, model discovery, drain supervision; with a
@@ -68,6 +70,7 @@ from regional_agent.settings import GROUPS_POLICY, Settings
 from regional_agent.telemetry import Scraper
 from regional_agent.tenants import Tenants
 from regional_agent.upstream import NodeClient
+from regional_agent.workers.runtime import Worker, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PUBLISHER = web.AppKey("publisher", Publisher)
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
 DISCOVERY = web.AppKey("discovery", Discovery)
+WORKERS = web.AppKey("workers", WorkerRuntime)
 _RNG = web.AppKey("rng", random.Random)  # the background loops' backoff jitter
 
 
@@ -84,9 +88,11 @@ def create_app(
     clock: Clock | None = None,
     seed: int | None = None,
     prompts: Prompts | None = None,
+    worker: Worker | None = None,
 ) -> web.Application:
     """The agent's application.  ``prompts``: the tokenizers ``meridian-agent``'s start checks
-    loaded; loaded here from ``settings.tokenizer`` when not given."""
+    loaded; loaded here from ``settings.tokenizer`` when not given.  ``worker``: this process's
+    place among several workers (``regional_agent.workers``)."""
     clock = clock or MonotonicClock()
     if prompts is None:
         prompts = load_prompts(settings.tokenizer)
@@ -165,8 +171,21 @@ def create_app(
         group_policy=group_policy,
         prompts=prompts,
     )
-    app = web.Application(middlewares=[_errors], client_max_size=settings.server.max_body_bytes)
+    runtime: WorkerRuntime | None = None
+    if worker is not None and worker.count > 1:
+        runtime = WorkerRuntime(
+            worker,
+            pool=pool,
+            dispatcher=dispatcher,
+            clock=clock,
+            render_metrics=instruments.render,
+            share_interval_s=settings.workers.share_interval_s,
+        )
+    middlewares: list[Any] = [_errors] if runtime is None else [_errors, runtime.relay_admin]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.server.max_body_bytes)
     app[EDGE] = edge
+    if runtime is not None:
+        app[WORKERS] = runtime
     scaler = autoscaler.create(
         settings.autoscaler,
         region=settings.region.id,
@@ -225,7 +244,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[EDGE].instruments.render()
+    runtime = request.app.get(WORKERS)
+    if runtime is None:
+        body = request.app[EDGE].instruments.render()
+    else:
+        body = await runtime.metrics(request)
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -298,6 +321,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         _spawn("models", edge.roster.models_loop(interval_s=settings.telemetry.models_refresh_s)),
         _spawn("drain", _drain_loop(edge)),
     ]
+    runtime = app.get(WORKERS)
+    if runtime is not None:
+        runtime.start()
+        tasks.append(_spawn("workers-share", runtime.share_loop()))
     publisher, scaler = app.get(PUBLISHER), app.get(AUTOSCALER)
     backoff_rng = app[_RNG]
 
@@ -331,6 +358,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         await publisher.close()
     if scaler is not None:
         await scaler.close()
+    if runtime is not None:
+        runtime.close()
     await edge.client.close()
     edge.close()
     await asyncio.to_thread(edge.instruments.shutdown)  # an OTLP flush: off the event loop

@@ -1,7 +1,7 @@
 """``meridian-agent``: the region's OpenAI-compatible routing proxy.
 
     meridian-agent --port 8080 --node http://127.0.0.1:8001 --node http://127.0.0.1:8002 \\
-                   [--policy meridian] [--config agent.toml] \\
+                   [--policy meridian] [--config agent.toml] [--workers N] \\
                    [--region eu-west --geo eu --residency eu --endpoint https://eu.example.com \\
                     --etcd http://10.0.0.1:2379,http://10.0.0.2:2379 [--actuator dry-run]]
 
@@ -45,6 +45,8 @@ from regional_agent import settings as agent_settings
 from regional_agent.app import create_app, reload_on_signal
 from regional_agent.prompts import TokenizerLoadError
 from regional_agent.tenants import new_key
+from regional_agent.workers import supervisor
+from regional_agent.workers.runtime import Worker
 
 log = logging.getLogger("meridian.agent")
 
@@ -98,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "dry-run", "command", "simulator"],
         help="what to do with the controller's capacity floor (autoscaler.actuator)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="agent processes serving the port; 0: one per CPU (workers.count; default 1)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     checkconfig.add_flags(p, prog="meridian-agent")
     version.add_flag(p)
@@ -137,6 +145,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["region"] = region
     if args.actuator is not None:
         out["autoscaler"] = {"actuator": args.actuator}
+    if args.workers is not None:
+        out["workers"] = {"count": args.workers}
     return out
 
 
@@ -161,11 +171,23 @@ def _forget_secret_env() -> None:
         del os.environ[name]
 
 
-async def _serve(settings: agent_settings.Settings, checked: Checked) -> None:
-    app = create_app(settings, prompts=checked.prompts)
+async def _serve(
+    settings: agent_settings.Settings,
+    checked: Checked,
+    *,
+    worker: Worker | None = None,
+    port: int | None = None,
+) -> None:
+    """Serve one agent process: the only one, or ``worker`` of several on ``port``."""
+    app = create_app(settings, prompts=checked.prompts, worker=worker)
     tls = checked.tls
 
     def ready(port: int) -> None:
+        if worker is not None:
+            worker.announce_ready()
+            log.info("worker listening pid=%d workers=%d", os.getpid(), worker.count)
+            if worker.index != 0:
+                return  # worker 0 says what the agent is
         # SIGHUP: the API keys and the TLS certificates (this replaces serve's TLS-only one)
         with contextlib.suppress(NotImplementedError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal, app)
@@ -187,11 +209,45 @@ async def _serve(settings: agent_settings.Settings, checked: Checked) -> None:
     await serving.serve(
         app,
         host=settings.server.host,
-        port=settings.server.port,
+        port=settings.server.port if port is None else port,
         handler_cancellation=True,
         limits=settings.server.limits(),
         tls=tls,
         on_ready=ready,
+        reuse_port=worker is not None,
+        unix_path=None if worker is None else str(worker.http_socket(worker.index)),
+        announce=worker is None,
+    )
+
+
+def _serve_workers(settings: agent_settings.Settings, checked: Checked, count: int) -> int:
+    """``workers.count`` above 1: the supervisor (``regional_agent.workers.supervisor``)."""
+
+    def start_worker(worker: Worker, port: int) -> int:
+        for handler in logging.getLogger().handlers:  # whose line it is, in the one log
+            line = LOG_FORMAT.replace("%(message)s", f"worker={worker.index} %(message)s")
+            handler.setFormatter(logging.Formatter(line))
+        try:
+            loops.run(
+                _serve(settings, checked, worker=worker, port=port),
+                choice=settings.server.event_loop,
+            )
+        except OSError as exc:
+            print(
+                f"meridian-agent: worker {worker.index} cannot listen on "
+                f"{settings.server.host}:{port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+
+    return supervisor.run(
+        count=count,
+        host=settings.server.host,
+        port=settings.server.port,
+        table_slots=settings.workers.table_slots,
+        scheme="https" if checked.tls is not None else "http",
+        start_worker=start_worker,
     )
 
 
@@ -251,9 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.check_config is not None:
         return _check_config(args)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     logs.install()  # a malformed HTTP request: one short line, rate-limited, not a traceback
     try:
         flags = overrides(args)
@@ -286,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
+        count = settings.workers.processes()
+        if count > 1:
+            return _serve_workers(settings, checked, count)
         loops.run(_serve(settings, checked), choice=settings.server.event_loop)
     except OSError as exc:
         print(
@@ -298,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 ENV_PREFIX = "MERIDIAN_AGENT_"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -38,6 +38,19 @@ class TelemetrySource(Protocol):
     def fresh_until(self, node_id: NodeId) -> float: ...
 
 
+class SharedLoad(Protocol):
+    """The other workers' counts (``regional_agent.workers.shared.LoadShare``): with
+    ``workers.count`` above 1, a view's in-flight, token and prefill counts are every worker's."""
+
+    def write(self, node_id: str, in_flight: int, tokens: int, prefill: int) -> None: ...
+
+    def totals(self, node_id: str) -> tuple[int, int, int] | None: ...
+
+    def forget(self, node_id: str) -> None: ...
+
+    def moved(self) -> set[str]: ...
+
+
 class HealthSource(Protocol):
     def state(self, node_id: NodeId, *, now: float) -> Health: ...
 
@@ -103,6 +116,7 @@ class NodePool:
         self._built: dict[NodeId, tuple[Health, AdminState]] = {}  # as _routing was built
         self._dirty: set[NodeId] = set()  # views to rebuild into _routing at the next read
         self._health_moved = True  # since the last panic verdict
+        self.shared: SharedLoad | None = None  # with several workers: their summed counts
 
     # -- membership ------------------------------------------------------------------------
 
@@ -124,6 +138,8 @@ class NodePool:
 
     def remove(self, node_id: NodeId) -> Node | None:
         node = self._nodes.pop(node_id, None)
+        if node is not None and self.shared is not None:
+            self.shared.forget(node_id)
         self.notify()
         return node
 
@@ -244,15 +260,20 @@ class NodePool:
         ]
 
     def view(self, node: Node, *, now: float) -> NodeView:
+        in_flight, tokens, prefill = node.in_flight, node.in_flight_tokens, node.prefill_tokens
+        if self.shared is not None:
+            totals = self.shared.totals(node.node_id)
+            if totals is not None:
+                in_flight, tokens, prefill = totals
         return NodeView(
             node_id=node.node_id,
             models=node.models,
             admin=node.admin,
             health=self.health.state(node.node_id, now=now),
             weight=node.weight,
-            in_flight=node.in_flight,
-            in_flight_tokens=node.in_flight_tokens,
-            prefill_tokens=node.prefill_tokens,
+            in_flight=in_flight,
+            in_flight_tokens=tokens,
+            prefill_tokens=prefill,
             slots=node.slots,
             slow_start=self.health.slow_start(node.node_id, now=now),
             telemetry=self.telemetry.snapshot(node.node_id, now=now),
@@ -269,6 +290,8 @@ class NodePool:
         node.prefill_tokens += prefill
         node.requests_total += 1
         self._changed(node_id)
+        if self.shared is not None:
+            self.shared.write(node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens)
 
     def first_token(self, node_id: NodeId, *, prefill: int) -> None:
         """The request's first token arrived: its ``prefill`` is done."""
@@ -276,6 +299,10 @@ class NodePool:
         if node is not None:
             node.prefill_tokens -= prefill
             self._changed(node_id)
+            if self.shared is not None:
+                self.shared.write(
+                    node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
+                )
 
     def release(self, node_id: NodeId, *, tokens: int, failed: bool, prefill: int = 0) -> None:
         """The request ended; ``prefill``: what is left of it (no first token was seen)."""
@@ -287,7 +314,24 @@ class NodePool:
             if failed:
                 node.errors_total += 1
             self._changed(node_id)
+            if self.shared is not None:
+                self.shared.write(
+                    node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
+                )
         self._wake()
+
+    def siblings_moved(self) -> int:
+        """Read what the other workers changed (``workers.share_interval_s``): their nodes'
+        views are rebuilt at the next read and the queue is woken (a slot may be free).
+        Returns how many of this pool's nodes moved."""
+        if self.shared is None:
+            return 0
+        moved = [NodeId(n) for n in self.shared.moved() if n in self._nodes]
+        for node_id in moved:
+            self._changed(node_id)
+        if moved:
+            self._wake()
+        return len(moved)
 
     # -- change notification -------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -1096,6 +1097,39 @@ class DiscoverySettings(_Group):
         return self
 
 
+class WorkersSettings(_Group):
+    """Serving processes (``regional_agent.workers``, docs/agent.md "Workers")."""
+
+    count: int = Field(
+        1,
+        ge=0,
+        le=256,
+        description="agent processes serving the port, each with its own SO_REUSEPORT socket and "
+        "event loop, routing on their summed in-flight and prefill counts and each other's "
+        "prefix records; 0: one per CPU the process may run on; 1: one process, no supervisor",
+    )
+    share_interval_s: float = Field(
+        0.002,
+        gt=0,
+        le=1,
+        description="how often a worker reads its siblings' in-flight and prefill counts (the "
+        "most they are behind in its decisions), and wakes its queue when a sibling freed a slot",
+    )
+    table_slots: int = Field(
+        1024,
+        ge=8,
+        le=65536,
+        description="nodes the shared load table holds; a node past it is routed on this "
+        "worker's own counts only (a WARNING says so)",
+    )
+
+    def processes(self) -> int:
+        """How many workers to run: ``count``, or with 0 one per CPU this process may use."""
+        if self.count:
+            return self.count
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MERIDIAN_AGENT_",
@@ -1122,6 +1156,25 @@ class Settings(BaseSettings):
     region: RegionSettings = RegionSettings()
     group_tables: GroupTableSettings = GroupTableSettings()
     autoscaler: AutoscalerSettings = AutoscalerSettings()
+    workers: WorkersSettings = WorkersSettings()
+
+    @model_validator(mode="after")
+    def _one_owner(self) -> Settings:
+        """What one process must own is not shared between workers yet: refuse it by name."""
+        if self.workers.count == 1:
+            return self
+        owned = []
+        if self.region.publishing:
+            owned.append("region.etcd (the region's lease, status and desired state)")
+        if self.autoscaler.actuator != "none":
+            owned.append(f"autoscaler.actuator = {self.autoscaler.actuator!r}")
+        if owned:
+            raise ValueError(
+                f"workers.count = {self.workers.count} with {' and '.join(owned)}: a publishing "
+                "or autoscaling agent runs one process for now (workers.count = 1, the default); "
+                "see docs/agent.md, Workers"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> Settings:

@@ -21,7 +21,7 @@ import itertools
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meridian_service.clock import Clock
@@ -94,6 +94,8 @@ class Dispatcher:
         self._seq = itertools.count()
         self._leases: dict[NodeId, set[Lease]] = {}
         self.stats = DispatchStats()
+        # with several workers: tells the siblings where a prompt went (workers.siblings)
+        self.on_routed: Callable[[NodeId, tuple[int, ...]], None] | None = None
         pool.subscribe(self.pump)
 
     # -- public ----------------------------------------------------------------------------
@@ -215,6 +217,8 @@ class Dispatcher:
         prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
         self._pool.acquire(decision.node, tokens=tokens, prefill=prefill)
         self.policy.observe_routed(request, decision.node, now=now)
+        if self.on_routed is not None and request.block_hashes:
+            self.on_routed(decision.node, request.block_hashes)
         node = self._pool.get(decision.node)
         if node is not None:
             node.decisions.append(decision.reason)

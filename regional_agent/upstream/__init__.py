@@ -1,5 +1,6 @@
-"""The only code that speaks HTTP to nodes; it turns aiohttp's errors into the agent's own."""
+"""The only code that speaks HTTP to nodes (and to sibling workers); it turns aiohttp's errors
+into the agent's own."""
 
-from regional_agent.upstream.client import NodeClient, Timeouts, UpstreamResponse
+from regional_agent.upstream.client import NodeClient, Timeouts, UpstreamResponse, sibling_call
 
-__all__ = ["NodeClient", "Timeouts", "UpstreamResponse"]
+__all__ = ["NodeClient", "Timeouts", "UpstreamResponse", "sibling_call"]

@@ -316,3 +316,27 @@ class NodeClient:
                 response.release()  # fully read: the connection goes back to the pool
             else:
                 response.close()  # abandoned mid-body: closing it makes the node abort
+
+
+async def sibling_call(
+    socket_path: str,
+    method: str,
+    path: str,
+    *,
+    headers: Mapping[str, str],
+    body: bytes = b"",
+    timeout_s: float,
+) -> tuple[int, bytes]:
+    """One HTTP request to a sibling worker on its Unix socket (``regional_agent.workers``):
+    its status and body.  Raises ``OSError`` (``TimeoutError`` included) when it cannot be
+    reached or does not answer within ``timeout_s``."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.UnixConnector(path=socket_path)
+    try:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            session.request(method, f"http://worker{path}", headers=headers, data=body) as reply,
+        ):
+            return reply.status, await reply.read()
+    except aiohttp.ClientError as exc:
+        raise OSError(f"worker socket {socket_path}: {_why(exc)}") from exc

@@ -1,0 +1,230 @@
+"""One worker's part in a multi-worker agent (``workers.count`` above 1), wired by
+``create_app``:
+
+- its pool's views count every worker's requests (``workers.shared.LoadShare``), read every
+  ``workers.share_interval_s``, which also wakes its queue when a sibling freed a slot;
+- its routed prompts go to the siblings' prefix indexes and theirs come into its own
+  (:class:`~regional_agent.workers.siblings.PrefixRelay`);
+- an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
+  sibling too, over their Unix sockets, before it answers;
+- its ``/metrics`` is every worker's, each sample labelled ``worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from meridian_service.clock import Clock
+from policies.model import NodeId, RequestView
+from regional_agent.nodes import NodePool
+from regional_agent.queue import Dispatcher
+from regional_agent.upstream import sibling_call
+from regional_agent.workers.shared import LoadShare, LoadTable
+from regional_agent.workers.siblings import PrefixRelay
+
+log = logging.getLogger(__name__)
+
+RELAYED = "X-Meridian-Relayed"  # on a request one worker passes to another: not passed on again
+MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
+_MUTATING = frozenset({"POST", "PUT", "DELETE"})
+_SIBLING_TIMEOUT_S = 5.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Worker:
+    """Who this process is among the workers; made by the supervisor."""
+
+    index: int
+    count: int
+    directory: Path  # the workers' private directory (mode 0700): their sockets, the slot lock
+    table: LoadTable
+    ready_fd: int | None = None  # written once this worker listens
+
+    def http_socket(self, worker: int) -> Path:
+        """Where ``worker`` serves the app for its siblings."""
+        return self.directory / f"w{worker}.http"
+
+    def siblings(self) -> list[int]:
+        return [w for w in range(self.count) if w != self.index]
+
+    def announce_ready(self) -> None:
+        if self.ready_fd is not None:
+            os.write(self.ready_fd, bytes([self.index % 256]))
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        pool: NodePool,
+        dispatcher: Dispatcher,
+        clock: Clock,
+        render_metrics: Callable[[], bytes],
+        share_interval_s: float,
+    ) -> None:
+        self.worker = worker
+        self._pool = pool
+        self._dispatcher = dispatcher
+        self._clock = clock
+        self._render = render_metrics
+        self._interval_s = share_interval_s
+        self.share = LoadShare(
+            worker.table, worker=worker.index, lock_file=worker.directory / "slots.lock"
+        )
+        pool.shared = self.share
+        self.relay = PrefixRelay(
+            directory=worker.directory,
+            worker=worker.index,
+            workers=worker.count,
+            on_record=self._record,
+        )
+        dispatcher.on_routed = self.relay.send
+
+    def start(self) -> None:
+        self.relay.start()
+
+    def close(self) -> None:
+        self.relay.close()
+
+    async def share_loop(self) -> None:
+        """Read the siblings' counts every ``workers.share_interval_s``."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            self._pool.siblings_moved()
+
+    def _record(self, node_id: str, hashes: tuple[int, ...]) -> None:
+        """A sibling sent a prompt of ``hashes`` to ``node_id``: this worker's index learns it."""
+        if node_id not in self._pool:
+            return
+        request = RequestView(model="", prompt_tokens=0, max_tokens=0, block_hashes=hashes)
+        self._dispatcher.policy.observe_routed(request, NodeId(node_id), now=self._clock.now())
+
+    # -- the admin API and metrics, for every worker ------------------------------------------
+
+    @web.middleware
+    async def relay_admin(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """An admin change this worker made is made on its siblings too (module docstring)."""
+        response = await handler(request)
+        if (
+            request.method not in _MUTATING
+            or not request.path.startswith("/admin/")
+            or response.status >= 300
+            or RELAYED in request.headers
+        ):
+            return response
+        body = await request.read()
+        headers = {
+            k: request.headers[k] for k in ("Authorization", "Content-Type") if k in request.headers
+        }
+        headers[RELAYED] = str(self.worker.index)
+        results = await asyncio.gather(
+            *(
+                self._call(w, request.method, request.path_qs, headers, body)
+                for w in self.worker.siblings()
+            )
+        )
+        missed = [
+            f"{w}:{why}" for w, why in zip(self.worker.siblings(), results, strict=True) if why
+        ]
+        if missed:
+            log.warning(
+                "admin change not made on every worker method=%s path=%s missed=%s",
+                request.method,
+                request.path,
+                "; ".join(missed),
+            )
+            response.headers[MISSED] = ", ".join(m.split(":", 1)[0] for m in missed)
+        return response
+
+    async def _call(
+        self, worker: int, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> str:
+        """Pass an admin change to ``worker``; '' when it took it, else why not."""
+        try:
+            status, reply = await sibling_call(
+                str(self.worker.http_socket(worker)),
+                method,
+                path,
+                headers=headers,
+                body=body,
+                timeout_s=_SIBLING_TIMEOUT_S,
+            )
+        except OSError as exc:
+            return str(exc) or type(exc).__name__
+        if status >= 300:
+            return f"answered {status}: {reply[:200].decode('utf-8', 'replace')}"
+        return ""
+
+    async def metrics(self, request: web.Request) -> bytes:
+        """This worker's metrics and its siblings', each sample labelled with its worker; a
+        sibling that does not answer is left out (``meridian_agent_workers_scraped`` says how
+        many did)."""
+        if RELAYED in request.headers:
+            return self._render()
+        texts: dict[int, str] = {self.worker.index: self._render().decode("utf-8")}
+        replies = await asyncio.gather(
+            *(
+                sibling_call(
+                    str(self.worker.http_socket(w)),
+                    "GET",
+                    "/metrics",
+                    headers={RELAYED: str(self.worker.index)},
+                    timeout_s=_SIBLING_TIMEOUT_S,
+                )
+                for w in self.worker.siblings()
+            ),
+            return_exceptions=True,
+        )
+        for w, reply in zip(self.worker.siblings(), replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("metrics of worker %d left out: %s", w, reply)
+            elif reply[0] == 200:
+                texts[w] = reply[1].decode("utf-8")
+        return merge_metrics(texts, workers=self.worker.count)
+
+
+def merge_metrics(texts: dict[int, str], *, workers: int) -> bytes:
+    """One exposition of several workers' (``texts`` by worker index): every sample gains a
+    ``worker`` label, and families of one name are merged."""
+    families: dict[str, Metric] = {}
+    for worker, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            merged.samples.extend(
+                s._replace(labels={**s.labels, "worker": str(worker)}) for s in family.samples
+            )
+    scraped = Metric(
+        "meridian_agent_workers_scraped", "workers whose metrics this scrape holds", "gauge"
+    )
+    scraped.add_sample("meridian_agent_workers_scraped", {}, float(len(texts)))
+    configured = Metric("meridian_agent_workers", "workers the agent runs", "gauge")
+    configured.add_sample("meridian_agent_workers", {}, float(workers))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed([*families.values(), scraped, configured]))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector of metrics already gathered."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self._metrics

@@ -1,0 +1,238 @@
+"""The workers' shared load table: each worker's in-flight, token and prefill counts per node,
+in one anonymous shared mapping that the supervisor makes before it forks them.
+
+Layout (int64 cells, ``memoryview.cast("q")``)::
+
+    [0]                      magic
+    [1 .. W]                 generation of each worker (moves on every write of that worker)
+    [.. W * RING]            each worker's ring: the slots of its last RING writes
+    [.. S]                   node keys: slot s holds the 63-bit key of one node id (0: free)
+    [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
+
+No locks on the counts: a worker writes only its own cells (aligned 8-byte stores, which
+x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be one
+write behind; the next one catches up.  Only claiming a free slot for a new node takes a lock
+(``flock`` on a file in the workers' private directory: the kernel drops it if its holder
+dies), and slots are never freed, so a lookup without the lock is safe.
+
+A reader learns which nodes its siblings' writes touched from their generations and rings:
+a sibling whose generation moved by at most RING since the last read wrote the slots its ring
+names; one that moved more (or was cleared) makes the reader compare every slot's versions.
+
+A worker that dies leaves its counts behind; the supervisor zeroes them
+(:meth:`LoadTable.clear_worker`) before it starts the worker again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_MAGIC = 0x4D455249  # "MERI"
+_FIELDS = 4  # in_flight, tokens, prefill, version
+_VERSION = 3
+RING = 64  # slots of its last writes each worker names (module docstring)
+
+
+def node_key(node_id: str) -> int:
+    """A node id's key in the table: 63 bits of its BLAKE2b, never 0 (a free slot)."""
+    digest = hashlib.blake2b(node_id.encode("utf-8"), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
+
+
+class LoadTable:
+    """The mapping itself; made once, before the workers fork, and inherited by each."""
+
+    def __init__(self, *, workers: int, slots: int) -> None:
+        if workers < 1 or slots < 1:
+            raise ValueError("a load table needs at least one worker and one slot")
+        self.workers = workers
+        self.slots = slots
+        self.rings_at = 1 + workers
+        self.keys_at = self.rings_at + workers * RING
+        self.cells_at = self.keys_at + slots
+        size = self.cells_at + slots * workers * _FIELDS
+        self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
+        self.cells = memoryview(self._map).cast("q")
+        self.cells[0] = _MAGIC
+
+    def cell(self, slot: int, worker: int) -> int:
+        """Index of the first field of ``worker``'s cell of ``slot``."""
+        return self.cells_at + (slot * self.workers + worker) * _FIELDS
+
+    def clear_worker(self, worker: int) -> None:
+        """Zero what ``worker`` counted (it died), so its siblings stop routing around it."""
+        cells = self.cells
+        for slot in range(self.slots):
+            at = self.cell(slot, worker)
+            if cells[at] or cells[at + 1] or cells[at + 2]:
+                cells[at] = cells[at + 1] = cells[at + 2] = 0
+                cells[at + _VERSION] += 1
+        cells[1 + worker] += RING + 1  # past its ring: readers compare every slot
+
+
+class LoadShare:
+    """One worker's handle on the table: writes its own cells, reads every worker's sums.
+
+    Satisfies ``regional_agent.nodes.SharedLoad``."""
+
+    def __init__(self, table: LoadTable, *, worker: int, lock_file: Path) -> None:
+        self._table = table
+        self._cells = table.cells
+        self._worker = worker
+        self._lock_file = lock_file
+        self._slots: dict[str, int | None] = {}  # node id -> its slot (None: the table is full)
+        self._by_slot: dict[int, str] = {}  # the reverse, of the slotted ones
+        self._versions: dict[int, int] = {}  # slot -> the sum of its versions at the last scan
+        self._generations = [0] * table.workers  # each worker's, as last read
+        self._ring = table.rings_at + worker * RING
+        self._span = table.workers * _FIELDS
+        self.full_warned = False
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def slot(self, node_id: str) -> int | None:
+        """The node's slot, claimed on first use; None when the table has no room."""
+        try:
+            return self._slots[node_id]
+        except KeyError:
+            pass
+        key = node_key(node_id)
+        found = self._find(key, claim=False)
+        if found is None:
+            with self._locked():
+                found = self._find(key, claim=True)
+        if found is None and not self.full_warned:
+            self.full_warned = True
+            log.warning(
+                "the workers' load table is full (workers.table_slots = %d): node %s is routed "
+                "on this worker's own counts only; raise workers.table_slots",
+                self._table.slots,
+                node_id,
+            )
+        self._slots[node_id] = found
+        if found is not None:
+            self._by_slot[found] = node_id
+            self._versions[found] = self._version_sum(found)  # what a scan compares with
+        return found
+
+    def _find(self, key: int, *, claim: bool) -> int | None:
+        cells, slots, at = self._cells, self._table.slots, self._table.keys_at
+        start = key % slots
+        for i in range(slots):
+            s = (start + i) % slots
+            held = cells[at + s]
+            if held == key:
+                return s
+            if held == 0:
+                if not claim:
+                    return None
+                cells[at + s] = key
+                return s
+        return None
+
+    def _locked(self) -> _FileLock:
+        return _FileLock(self._lock_file)
+
+    # -- the counts ----------------------------------------------------------------------------
+
+    def write(self, node_id: str, in_flight: int, tokens: int, prefill: int) -> None:
+        """This worker's counts of ``node_id`` are now these."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return
+        cells = self._cells
+        at = self._table.cell(slot, self._worker)
+        cells[at] = in_flight
+        cells[at + 1] = tokens
+        cells[at + 2] = prefill
+        cells[at + _VERSION] += 1
+        generation = cells[1 + self._worker] + 1
+        cells[self._ring + generation % RING] = slot
+        cells[1 + self._worker] = generation  # last: a reader that sees it sees the ring entry
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` left this worker's pool: what it had counted there is gone with it."""
+        if self._slots.get(node_id) is not None:
+            self.write(node_id, 0, 0, 0)
+
+    def totals(self, node_id: str) -> tuple[int, int, int] | None:
+        """Every worker's in-flight, token and prefill counts of ``node_id``, summed; None when
+        it has no slot (only this worker's own counts are known)."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        cells, span = self._cells, self._span
+        at = self._table.cell(slot, 0)
+        end = at + span
+        return (
+            max(0, sum(cells[at:end:_FIELDS])),
+            max(0, sum(cells[at + 1 : end : _FIELDS])),
+            max(0, sum(cells[at + 2 : end : _FIELDS])),
+        )
+
+    def moved(self) -> set[str]:
+        """The nodes (of those this worker has slotted) whose counts another worker changed
+        since the last call; at once empty when no other worker wrote anything."""
+        cells, me = self._cells, self._worker
+        seen = self._generations
+        slots: set[int] = set()
+        scan = False
+        for worker in range(self._table.workers):
+            if worker == me:
+                continue
+            now = cells[1 + worker]
+            before = seen[worker]
+            if now == before:
+                continue
+            if now - before > RING or now < before:
+                scan = True
+            else:
+                ring = self._table.rings_at + worker * RING
+                slots.update(cells[ring + g % RING] for g in range(before + 1, now + 1))
+                if cells[1 + worker] - before > RING:  # it lapped its ring while read
+                    scan = True
+            seen[worker] = now
+        if scan:
+            slots = self._scan()
+        by_slot = self._by_slot
+        return {by_slot[s] for s in slots if s in by_slot}
+
+    def _scan(self) -> set[int]:
+        """Every slotted node whose versions moved since the last scan (a sibling wrote more
+        than its ring holds, or was cleared)."""
+        versions = self._versions
+        out = set()
+        for slot in self._by_slot:
+            total = self._version_sum(slot)
+            if versions.get(slot) != total:
+                versions[slot] = total
+                out.add(slot)
+        return out
+
+    def _version_sum(self, slot: int) -> int:
+        at = self._table.cell(slot, 0) + _VERSION
+        return sum(self._cells[at : at + self._span : _FIELDS])
+
+
+class _FileLock:
+    """``flock`` on a file of the private directory, held for a ``with`` block."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd = -1
+
+    def __enter__(self) -> _FileLock:
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)

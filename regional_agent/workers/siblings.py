@@ -1,0 +1,155 @@
+"""What a worker tells its siblings: where it sent each prompt (the prefix index's record), as
+datagrams on Unix sockets in the workers' private directory.
+
+Each worker binds ``w<i>.prefix``; a routed request's block hashes and node go to every sibling,
+batched: the records of one event-loop turn leave as one datagram per sibling (at most
+``MAX_DATAGRAM`` bytes each).  A sibling inserts them into its own policy's prefix index, as if
+it had routed the request, so N workers keep the hit rate of one.  Sending never blocks: a
+sibling that is restarting, or whose socket buffer is full, misses the record (counted in
+``dropped``); the index is a hint, and the next request of that prefix teaches it again.
+
+Wire format, per record: ``u16`` node id length, ``u32`` hash count, the node id (UTF-8), the
+hashes (``u64``, native order: the datagram never leaves the host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from array import array
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAX_DATAGRAM = 60_000
+_HEAD = struct.Struct("=HI")
+_HASH_BYTES = array("Q").itemsize
+
+
+def prefix_socket(directory: Path, worker: int) -> Path:
+    return directory / f"w{worker}.prefix"
+
+
+def encode(node_id: str, hashes: Sequence[int]) -> bytes:
+    """One record; raises ``OverflowError`` for a hash outside 0 .. 2**64 - 1."""
+    name = node_id.encode("utf-8")
+    return _HEAD.pack(len(name), len(hashes)) + name + array("Q", hashes).tobytes()
+
+
+def decode(datagram: bytes) -> list[tuple[str, tuple[int, ...]]]:
+    """The records of one datagram; raises ``ValueError`` for a malformed one."""
+    out = []
+    view = memoryview(datagram)
+    at = 0
+    while at < len(view):
+        if at + _HEAD.size > len(view):
+            raise ValueError("a truncated record head")
+        name_len, count = _HEAD.unpack_from(view, at)
+        at += _HEAD.size
+        end = at + name_len + count * _HASH_BYTES
+        if end > len(view):
+            raise ValueError("a truncated record")
+        name = bytes(view[at : at + name_len]).decode("utf-8")
+        hashes = array("Q")
+        hashes.frombytes(view[at + name_len : end])
+        out.append((name, tuple(hashes)))
+        at = end
+    return out
+
+
+class PrefixRelay:
+    """Sends this worker's prefix records to its siblings and hands theirs to ``on_record``."""
+
+    def __init__(
+        self,
+        *,
+        directory: Path,
+        worker: int,
+        workers: int,
+        on_record: Callable[[str, tuple[int, ...]], None],
+    ) -> None:
+        self._directory = directory
+        self._worker = worker
+        self._siblings = [prefix_socket(directory, w) for w in range(workers) if w != worker]
+        self._on_record = on_record
+        self._socket: socket.socket | None = None
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sent = 0  # records sent (to each sibling)
+        self.received = 0
+        self.dropped = 0  # datagrams a sibling did not take (restarting, or its buffer full)
+        self.malformed = 0
+
+    def start(self) -> None:
+        """Bind this worker's socket and read it on the running loop."""
+        path = prefix_socket(self._directory, self._worker)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # the socket of this worker's previous life
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(path))
+        self._socket = sock
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._socket.fileno())
+            self._socket.close()
+            self._socket = None
+
+    def send(self, node_id: str, hashes: Sequence[int]) -> None:
+        """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched to
+        the end of this event-loop turn)."""
+        if self._socket is None or not self._siblings or not hashes:
+            return
+        try:
+            record = encode(node_id, hashes)
+        except OverflowError:
+            return  # not a 64-bit hash: nothing a sibling's index could match
+        if self._pending_bytes + len(record) > MAX_DATAGRAM:
+            self._flush()
+        self._pending.append(record)
+        self._pending_bytes += len(record)
+        self.sent += 1
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending or self._socket is None:
+            return
+        datagram = b"".join(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        for sibling in self._siblings:
+            try:
+                self._socket.sendto(datagram, str(sibling))
+            except OSError:  # restarting (no socket, refused) or busy (buffer full)
+                self.dropped += 1
+
+    def _readable(self) -> None:
+        sock = self._socket
+        if sock is None:
+            return
+        for _ in range(64):  # then let the loop serve others; the reader fires again
+            try:
+                datagram = sock.recv(MAX_DATAGRAM + 1024)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                records = decode(datagram)
+            except (ValueError, UnicodeDecodeError):
+                self.malformed += 1
+                continue
+            for node_id, hashes in records:
+                self.received += 1
+                self._on_record(node_id, hashes)

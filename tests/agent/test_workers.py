@@ -1,0 +1,460 @@
+"""``workers.count`` above 1: the shared load table across real forked processes, the prefix
+relay's wire format, and ``meridian-agent --workers 2`` as a real supervisor with real workers
+in front of real ``meridian-sim`` processes (docs/agent.md, Workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pydantic
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from regional_agent.settings import Settings
+from regional_agent.workers.shared import RING, LoadShare, LoadTable
+from regional_agent.workers.siblings import decode, encode
+from tests.agent.conftest import ADMIN, ADMIN_TOKEN, SimProcess
+
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the h100-llama3-8b profile's
+
+
+# -- the shared load table, across a real fork ---------------------------------------------------
+
+
+def _in_child(work: Callable[[], None]) -> None:
+    """``work()`` in a forked process, which must exit 0."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            work()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.fixture
+def lock_file(tmp_path: Path) -> Path:
+    return tmp_path / "slots.lock"
+
+
+def test_a_forked_worker_s_counts_are_summed_and_seen_as_moved(lock_file: Path) -> None:
+    table = LoadTable(workers=3, slots=64)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    me.write("http://a:8000", 2, 200, 50)
+    assert me.totals("http://b:8000") == (0, 0, 0)
+    assert me.moved() == set()
+
+    def sibling() -> None:
+        other = LoadShare(table, worker=1, lock_file=lock_file)
+        other.write("http://a:8000", 3, 300, 0)
+        other.write("http://b:8000", 1, 10, 10)
+
+    _in_child(sibling)
+    assert me.totals("http://a:8000") == (5, 500, 50)
+    assert me.totals("http://b:8000") == (1, 10, 10)
+    assert me.moved() == {"http://a:8000", "http://b:8000"}
+    assert me.moved() == set()  # read once
+
+    table.clear_worker(1)  # the supervisor, after worker 1 died
+    assert me.totals("http://a:8000") == (2, 200, 50)
+    assert me.totals("http://b:8000") == (0, 0, 0)
+    assert me.moved() == {"http://a:8000", "http://b:8000"}
+
+
+def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
+    lock_file: Path,
+) -> None:
+    table = LoadTable(workers=2, slots=64)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    nodes = [f"http://n{i}:8000" for i in range(5)]
+    for node in nodes:
+        assert me.totals(node) == (0, 0, 0)  # slotted here
+    other = LoadShare(table, worker=1, lock_file=lock_file)
+    other.write(nodes[0], 1, 1, 1)
+    for i in range(RING + 5):  # more writes than the ring names, all on node 4
+        other.write(nodes[4], i % 3, i, 0)
+    assert me.moved() == {nodes[0], nodes[4]}
+
+
+def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
+    lock_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = LoadTable(workers=2, slots=8)
+    nodes = [f"http://n{i}:8000" for i in range(9)]
+
+    def sibling() -> None:
+        other = LoadShare(table, worker=1, lock_file=lock_file)
+        for node in reversed(nodes[:8]):
+            assert other.slot(node) is not None
+
+    _in_child(sibling)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    with caplog.at_level(logging.WARNING):
+        slots = [me.slot(node) for node in nodes]
+    assert sorted(s for s in slots[:8] if s is not None) == list(range(8))
+    assert slots[8] is None
+    assert me.totals(nodes[8]) is None  # routed on this worker's own counts
+    assert caplog.text.count("load table is full") == 1
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.text(min_size=1, max_size=40),
+            st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=50),
+        ),
+        max_size=8,
+    )
+)
+def test_prefix_records_survive_the_wire(records: list[tuple[str, list[int]]]) -> None:
+    datagram = b"".join(encode(node, hashes) for node, hashes in records)
+    assert decode(datagram) == [(node, tuple(hashes)) for node, hashes in records]
+
+
+def test_a_truncated_prefix_datagram_is_refused() -> None:
+    whole = encode("http://a:8000", [1, 2, 3])
+    for cut in (1, 7, len(whole) - 1):
+        with pytest.raises(ValueError, match="truncated"):
+            decode(whole[:cut])
+    with pytest.raises(OverflowError):
+        encode("http://a:8000", [2**64])
+
+
+def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"workers.count = 2 with region.etcd"):
+        Settings(
+            workers={"count": 2},
+            region={"id": "eu-west", "geo": "eu", "etcd": ["http://127.0.0.1:2379"]},
+            nodes=[{"url": "http://127.0.0.1:8000"}],
+        )
+    with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'dry-run'"):
+        Settings(workers={"count": 0}, autoscaler={"actuator": "dry-run"})
+    assert Settings(workers={"count": 0}).workers.processes() == len(os.sched_getaffinity(0))
+
+
+# -- meridian-agent --workers 2 ----------------------------------------------------------------
+
+
+@dataclass
+class AgentProcess:
+    url: str
+    proc: subprocess.Popen[str]
+    log: Path
+
+    def workers(self) -> list[int]:
+        """The pids of the supervisor's live children."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()]
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture
+def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """``agent = agent_process(nodes, workers=2, env={...})``: ``meridian-agent`` as a real
+    process; it is stopped (SIGTERM) after the test."""
+    started: list[AgentProcess] = []
+
+    def start(nodes: list[SimProcess], *, workers: int = 2, **env: str) -> AgentProcess:
+        log = tmp_path / f"agent-{len(started)}.log"
+        args = [sys.executable, "-m", "regional_agent.cli", "--port", "0"]
+        args += ["--workers", str(workers)]
+        for node in nodes:
+            args += ["--node", node.url]
+        environment = {
+            **os.environ,
+            "MERIDIAN_AGENT_ADMIN__TOKEN": ADMIN_TOKEN,
+            "MERIDIAN_AGENT_TELEMETRY__SCRAPE_INTERVAL_S": "0.2",
+            **env,
+        }
+        with log.open("w") as err:
+            proc = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=err, text=True, env=environment
+            )
+        assert proc.stdout is not None
+        line = _readline(proc, timeout_s=30)
+        if not line.startswith("READY "):
+            proc.kill()
+            raise RuntimeError(f"meridian-agent did not start: {line!r}\n{log.read_text()}")
+        agent = AgentProcess(url=line.split()[1], proc=proc, log=log)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        if agent.proc.poll() is None:
+            agent.proc.terminate()
+            try:
+                agent.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.proc.kill()
+                agent.proc.wait()
+        if agent.proc.stdout is not None:
+            agent.proc.stdout.close()
+
+
+def _readline(proc: subprocess.Popen[str], *, timeout_s: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            return ""
+    return proc.stdout.readline()
+
+
+def _fresh() -> httpx.AsyncClient:
+    """A client that opens a new connection for every request: the kernel spreads them over
+    the workers' sockets."""
+    return httpx.AsyncClient(
+        timeout=60, limits=httpx.Limits(max_keepalive_connections=0), trust_env=False
+    )
+
+
+async def _metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    async with _fresh() as client:
+        reply = await client.get(f"{url}/metrics")
+    assert reply.status_code == 200
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def _by_worker(samples: list[tuple[dict[str, str], float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, value in samples:
+        out[labels["worker"]] = out.get(labels["worker"], 0.0) + value
+    return out
+
+
+async def _node_metric(node: SimProcess, name: str) -> float:
+    async with _fresh() as client:
+        reply = await client.get(f"{node.url}/metrics")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(reply.text)
+        for s in f.samples
+        if s.name == name
+    )
+
+
+async def _chat(client: httpx.AsyncClient, url: str, content: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return await client.post(f"{url}/v1/chat/completions", json={**body, **extra})
+
+
+async def _wait_models(url: str) -> None:
+    """Until every worker knows the nodes' model (each refreshes it on its own)."""
+    async with _fresh() as client:
+        for _ in range(100):
+            replies = [await client.get(f"{url}/ready") for _ in range(8)]
+            if all(r.status_code == 200 for r in replies):
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError("the workers never became ready")
+
+
+async def test_two_workers_share_the_port_and_one_metrics_page(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    nodes = sim_processes(2, profile="h100-llama3-8b", time_scale=50.0)
+    agent = agent_process(nodes, workers=2)
+    assert len(agent.workers()) == 2
+    await _wait_models(agent.url)
+    async with _fresh() as client:
+        replies = await asyncio.gather(*(_chat(client, agent.url, f"hello {i}") for i in range(40)))
+    assert [r.status_code for r in replies] == [200] * 40
+    metrics = await _metrics(agent.url)
+    served = _by_worker(metrics["meridian_agent_requests_total"])
+    assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
+    assert sum(served.values()) == 40
+    assert metrics["meridian_agent_workers"] == [({}, 2.0)]
+    assert metrics["meridian_agent_workers_scraped"] == [({}, 2.0)]
+    assert agent.log_text().count("workers ready") == 1
+
+
+async def test_the_slots_of_a_node_are_counted_over_every_worker(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """One node with one slot: requests that arrive on both workers still run one at a time
+    there (each worker alone would send it one of its own)."""
+    (node,) = sim_processes(1, profile="h100-llama3-8b", time_scale=1.0)
+    agent = agent_process([node], workers=2, MERIDIAN_AGENT_QUEUE__SLOTS_PER_NODE="1")
+    await _wait_models(agent.url)
+    peak = 0.0
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            running = await _node_metric(node, "vllm:num_requests_running")
+            waiting = await _node_metric(node, "vllm:num_requests_waiting")
+            peak = max(peak, running + waiting)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.ensure_future(watch())
+    async with _fresh() as client:
+        replies = await asyncio.gather(
+            *(_chat(client, agent.url, f"long {i}", max_tokens=40) for i in range(8))
+        )
+    done.set()
+    await watcher
+    assert [r.status_code for r in replies] == [200] * 8
+    served = _by_worker((await _metrics(agent.url))["meridian_agent_requests_total"])
+    assert set(served) == {"0", "1"}, served  # both workers took some
+    assert peak == 1, f"the node had {peak} requests at once with one slot"
+
+
+async def _hits_of(
+    nodes: list[SimProcess], agent: AgentProcess, prompts: list[str], repeats: int
+) -> float:
+    await _wait_models(agent.url)
+    before = sum([await _node_metric(n, "vllm:prefix_cache_hits_total") for n in nodes])
+    async with _fresh() as client:
+        for _ in range(repeats):
+            for prompt in prompts:
+                reply = await _chat(client, agent.url, prompt)
+                assert reply.status_code == 200
+    after = sum([await _node_metric(n, "vllm:prefix_cache_hits_total") for n in nodes])
+    return after - before
+
+
+async def test_two_workers_keep_the_prefix_hits_of_one(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """Each prompt is sent three times, each time on a new connection, so its repeats land on
+    either worker; the one that did not route it before knows where it went from its sibling.
+    The agent breaks ties between nodes without the prefix at random: a worker that did not
+    know would send a repeat to the other node about half the time."""
+    prompts = [f"system prompt number {i}: " + "a long shared context " * 80 for i in range(6)]
+    hits = {}
+    for workers in (1, 2):
+        nodes = sim_processes(2, profile="h100-llama3-8b", time_scale=50.0)
+        agent = agent_process(nodes, workers=workers, MERIDIAN_AGENT_ROUTING__POLICY="prefix_aware")
+        hits[workers] = await _hits_of(nodes, agent, prompts, repeats=3)
+        if workers == 2:
+            served = _by_worker((await _metrics(agent.url))["meridian_agent_requests_total"])
+            assert set(served) == {"0", "1"}, served
+    assert hits[1] > 0
+    assert hits[2] == hits[1], hits
+
+
+async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    nodes = sim_processes(2, profile="h100-llama3-8b", time_scale=50.0)
+    agent = agent_process(nodes, workers=2)
+    await _wait_models(agent.url)
+    drained = nodes[0].url.removeprefix("http://")
+    async with _fresh() as client:
+        reply = await client.post(f"{agent.url}/admin/nodes/{drained}/drain", headers=ADMIN)
+        assert reply.status_code == 200
+        assert "X-Meridian-Workers-Missed" not in reply.headers
+        for _ in range(10):  # each on a new connection: either worker answers
+            listed = (await client.get(f"{agent.url}/admin/nodes", headers=ADMIN)).json()
+            states = {n["id"]: n["admin"] for n in listed["nodes"]}
+            assert states[drained] in ("draining", "drained"), states
+        before = await _node_metric(nodes[0], "vllm:request_success_total")
+        replies = await asyncio.gather(*(_chat(client, agent.url, f"q {i}") for i in range(20)))
+    assert [r.status_code for r in replies] == [200] * 20
+    assert await _node_metric(nodes[0], "vllm:request_success_total") == before
+    assert agent.log_text().count("node draining") == 2  # once on each worker
+
+
+async def test_a_killed_worker_is_started_again_and_its_counts_are_cleared(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """One node with one slot.  A worker is killed -9 while its request holds that slot: were
+    its count left in the shared table, no request could be routed to the node again."""
+    (node,) = sim_processes(1, profile="h100-llama3-8b", time_scale=0.5)
+    agent = agent_process(
+        [node],
+        workers=2,
+        MERIDIAN_AGENT_QUEUE__SLOTS_PER_NODE="1",
+        MERIDIAN_AGENT_QUEUE__DEADLINE_S="20",
+    )
+    await _wait_models(agent.url)
+    async with _fresh() as client:
+        long = asyncio.ensure_future(_chat(client, agent.url, "a long one", max_tokens=2000))
+        holder = None
+        for _ in range(200):
+            metrics = await _metrics(agent.url)
+            busy = [
+                labels["worker"]
+                for labels, value in metrics.get("meridian_agent_node_in_flight", [])
+                if value > 0
+            ]
+            if busy:
+                holder = int(busy[0])
+                break
+            await asyncio.sleep(0.05)
+        assert holder is not None, "the long request never showed in flight"
+        pids = sorted(agent.workers())  # forked in index order
+        os.kill(pids[holder], signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):
+            await long  # its worker died: the connection is gone
+        started = time.monotonic()
+        replies = [await _chat(client, agent.url, f"after {i}") for i in range(6)]
+        assert [r.status_code for r in replies] == [200] * 6
+        assert time.monotonic() - started < 15
+    for _ in range(100):
+        if len(agent.workers()) == 2 and agent.log_text().count("worker listening") == 3:
+            break
+        await asyncio.sleep(0.1)
+    log = agent.log_text()
+    assert f"worker {holder} was killed by SIGKILL" in log
+    assert log.count("worker listening") == 3, log  # two at the start, one again
+
+
+def test_sigterm_stops_every_worker_and_a_killed_supervisor_takes_them_along(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    nodes = sim_processes(1, profile="h100-llama3-8b", time_scale=50.0)
+    first = agent_process(nodes, workers=2)
+    workers = first.workers()
+    first.proc.terminate()
+    assert first.proc.wait(timeout=30) == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+    second = agent_process(nodes, workers=2)
+    workers = second.workers()
+    second.proc.kill()
+    second.proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not [pid for pid in workers if _alive(pid)], "workers outlived their supervisor"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
