@@ -18,6 +18,7 @@ GET      /admin/queue                     waiting requests per model, decisions 
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import Any
@@ -30,6 +31,7 @@ from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
 from regional_agent.nodes import Node
 from regional_agent.settings import GROUPS_POLICY, NodeSettings
+from regional_agent.workers.runtime import SIBLING_SECRET
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ def add_routes(app: web.Application) -> None:
 
 def _authorize(request: web.Request) -> Edge:
     agent = request.app[EDGE]
+    if agent.sibling_secret is not None and hmac.compare_digest(
+        request.headers.get(SIBLING_SECRET, ""), agent.sibling_secret
+    ):
+        return agent  # a sibling worker passing on a change the admin token allowed
     admin = agent.settings.admin
     if not admin.enabled:
         raise Unauthorized(
@@ -230,4 +236,52 @@ async def queue(request: web.Request) -> web.Response:
     )
 
 
-__all__ = ["NodeId", "add_routes", "describe"]
+async def catch_up(agent: Edge, state: dict[str, Any]) -> list[str]:
+    """Make this worker's nodes and policy what a sibling's ``GET /admin/nodes`` says: a
+    restarted worker starts from the settings, and this brings it the admin changes made at run
+    time (nodes added or removed, drains, weights, the policy).  Returns what it changed."""
+    done: list[str] = []
+    theirs = {n["id"]: n for n in state.get("nodes", [])}
+    for node in agent.pool:
+        if node.node_id not in theirs and node.source in ("static", "admin"):
+            agent.roster.remove(node.node_id)
+            done.append(f"removed {node.node_id}")
+    for node_id, seen in theirs.items():
+        known = agent.pool.get(node_id)
+        if known is None:
+            if seen.get("source") != "admin":
+                continue  # discovered: this worker's own discovery finds it
+            group = seen.get("group")
+            spec = NodeSettings(
+                id=node_id,
+                url=seen["url"],
+                weight=seen["weight"],
+                slots=seen["slots"],
+                group=None if group in (None, node_id) else group,
+            )
+            known = await agent.roster.add(agent.roster.make(spec, source="admin"))
+            done.append(f"added {node_id}")
+        node = known
+        draining = seen.get("admin") in ("draining", "drained")
+        if draining and node.admin is not AdminState.DRAINING:
+            node.admin = AdminState.DRAINING
+            node.drain_started_s = agent.clock.now()
+            done.append(f"draining {node_id}")
+        elif not draining and node.admin is AdminState.DRAINING:
+            node.admin = AdminState.ACTIVE
+            node.drain_started_s = None
+            done.append(f"active {node_id}")
+        if seen.get("weight") != node.weight and isinstance(seen.get("weight"), int | float):
+            node.weight = float(seen["weight"])
+            done.append(f"weight {node_id} {node.weight:g}")
+    policy = state.get("policy")
+    current = agent.dispatcher.policy.name
+    if isinstance(policy, str) and policy != current and policy in agent.policy_names():
+        agent.dispatcher.set_policy(agent.make_policy(policy))
+        done.append(f"policy {policy}")
+    if done:
+        agent.pool.notify()
+    return done
+
+
+__all__ = ["NodeId", "add_routes", "catch_up", "describe"]

@@ -186,6 +186,7 @@ def create_app(
     app[EDGE] = edge
     if runtime is not None:
         app[WORKERS] = runtime
+        edge.sibling_secret = runtime.worker.secret
     scaler = autoscaler.create(
         settings.autoscaler,
         region=settings.region.id,
@@ -325,6 +326,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     if runtime is not None:
         runtime.start()
         tasks.append(_spawn("workers-share", runtime.share_loop()))
+        if runtime.worker.restarted:
+            await runtime.catch_up(functools.partial(admin.catch_up, edge))
     publisher, scaler = app.get(PUBLISHER), app.get(AUTOSCALER)
     backoff_rng = app[_RNG]
 

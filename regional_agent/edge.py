@@ -64,6 +64,9 @@ class Edge:
     tenants: Tenants  # API keys, tenants and their rate limits (open mode: no keys)
     group_policy: GroupPolicy | None = None  # with group tables (routing.policy = "groups")
     prompts: Prompts = field(default_factory=Prompts)  # the models' tokenizers ([tokenizer])
+    # with several workers: what a sibling sends (workers.runtime.SIBLING_SECRET) in place of
+    # the admin token
+    sibling_secret: str | None = None
     _parse_threads: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     async def offload(self, work: Callable[[], T]) -> T:

@@ -7,17 +7,25 @@
   (:class:`~regional_agent.workers.siblings.PrefixRelay`);
 - an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
   sibling too, over their Unix sockets, before it answers;
-- its ``/metrics`` is every worker's, each sample labelled ``worker``.
+- its ``/metrics`` is every worker's, each sample labelled ``worker``;
+- started again after it died, it asks a sibling for the nodes and policy as they are now
+  (``GET /admin/nodes``) and takes the admin changes made since the start
+  (``regional_agent.admin.catch_up``).
+
+Sibling to sibling, a request carries the supervisor's random secret (``SIBLING_SECRET``), which
+the admin API takes in place of the admin token: the admin token itself is never passed on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -35,6 +43,7 @@ from regional_agent.workers.siblings import PrefixRelay
 log = logging.getLogger(__name__)
 
 RELAYED = "X-Meridian-Relayed"  # on a request one worker passes to another: not passed on again
+SIBLING_SECRET = "X-Meridian-Worker-Secret"  # the supervisor's secret (module docstring)
 MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
 _MUTATING = frozenset({"POST", "PUT", "DELETE"})
 _SIBLING_TIMEOUT_S = 5.0
@@ -49,6 +58,8 @@ class Worker:
     count: int
     directory: Path  # the workers' private directory (mode 0700): their sockets, the slot lock
     table: LoadTable
+    secret: str  # sibling to sibling, in place of the admin token (module docstring)
+    restarted: bool = False  # started again after it died: it catches up from a sibling
     ready_fd: int | None = None  # written once this worker listens
 
     def http_socket(self, worker: int) -> Path:
@@ -125,10 +136,9 @@ class WorkerRuntime:
         ):
             return response
         body = await request.read()
-        headers = {
-            k: request.headers[k] for k in ("Authorization", "Content-Type") if k in request.headers
-        }
+        headers = {k: request.headers[k] for k in ("Content-Type",) if k in request.headers}
         headers[RELAYED] = str(self.worker.index)
+        headers[SIBLING_SECRET] = self.worker.secret
         results = await asyncio.gather(
             *(
                 self._call(w, request.method, request.path_qs, headers, body)
@@ -166,6 +176,36 @@ class WorkerRuntime:
         if status >= 300:
             return f"answered {status}: {reply[:200].decode('utf-8', 'replace')}"
         return ""
+
+    async def catch_up(self, apply: Callable[[dict[str, Any]], Awaitable[list[str]]]) -> None:
+        """A restarted worker: take the nodes and policy from the first sibling that answers."""
+        headers = {RELAYED: str(self.worker.index), SIBLING_SECRET: self.worker.secret}
+        for worker in self.worker.siblings():
+            try:
+                status, body = await sibling_call(
+                    str(self.worker.http_socket(worker)),
+                    "GET",
+                    "/admin/nodes",
+                    headers=headers,
+                    timeout_s=_SIBLING_TIMEOUT_S,
+                )
+            except OSError as exc:
+                log.info("worker %d cannot say the admin state: %s", worker, exc)
+                continue
+            if status != 200:
+                log.info("worker %d cannot say the admin state: it answered %d", worker, status)
+                continue
+            done = await apply(json.loads(body))
+            log.warning(
+                "restarted worker caught up from worker %d: %s",
+                worker,
+                "; ".join(done) or "nothing had changed since the start",
+            )
+            return
+        log.warning(
+            "restarted worker found no sibling to catch up from: it serves the settings' nodes "
+            "and policy, without the admin changes made since the start"
+        )
 
     async def metrics(self, request: web.Request) -> bytes:
         """This worker's metrics and its siblings', each sample labelled with its worker; a

@@ -12,8 +12,9 @@ makes the shared load table and a private directory, forks the workers and keeps
   does); a second one kills them.  SIGHUP goes to every worker (API keys, TLS certificates).
 - **A worker that dies** (kill -9, a crash) is started again, after 1 s and up to 30 s when it
   keeps dying at once; what it had in flight is zeroed in the load table first.  It starts from
-  the settings: admin changes made at run time are not on it, and the log says so.  A worker
-  that fails before the first READY (its bind, its app) stops the start: exit status 1.
+  the settings and then takes the admin changes made since from a sibling
+  (``workers.runtime``).  A worker that fails before the first READY (its bind, its app) stops
+  the start: exit status 1.
 - **The supervisor dying** ends the workers too (``PR_SET_PDEATHSIG``), so none keeps the port.
 """
 
@@ -23,6 +24,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -117,6 +119,8 @@ class _Supervisor:
         self.announced = False
         self.stopping = False
         self.status = 0
+        self.secret = secrets.token_urlsafe(32)  # sibling to sibling (workers.runtime)
+        self.started: set[int] = set()  # worker indexes started at least once
 
     def run(self, *, ready_line: str) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -181,9 +185,7 @@ class _Supervisor:
         restarts = child.restarts + 1 if quick else 0
         delay = min(_RESTART_MAX_S, _RESTART_BASE_S * 2 ** max(0, restarts - 1))
         log.warning(
-            "worker %d %s: its in-flight counts are cleared and it starts again in %g s, from "
-            "the settings (admin changes made since the agent started are not on it: make them "
-            "again, or restart the agent)",
+            "worker %d %s: its in-flight counts are cleared and it starts again in %g s",
             child.index,
             how,
             delay,
@@ -196,6 +198,7 @@ class _Supervisor:
         if pid == 0:
             self._child(index, parent)  # never returns
         self.children[pid] = _Child(index=index, started=time.monotonic(), restarts=restarts)
+        self.started.add(index)
 
     def _child(self, index: int, parent: int) -> None:
         code = 1
@@ -212,6 +215,8 @@ class _Supervisor:
                 count=self.count,
                 directory=self.directory,
                 table=self.table,
+                secret=self.secret,
+                restarted=index in self.started,
                 ready_fd=self.ready_w,
             )
             code = self.start_worker(worker, self.port)

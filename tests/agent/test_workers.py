@@ -382,6 +382,20 @@ async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
     assert [r.status_code for r in replies] == [200] * 20
     assert await _node_metric(nodes[0], "vllm:request_success_total") == before
     assert agent.log_text().count("node draining") == 2  # once on each worker
+    assert ADMIN_TOKEN not in agent.log_text()
+
+    # a worker killed and started again takes the drain from its sibling
+    os.kill(sorted(agent.workers())[1], signal.SIGKILL)
+    for _ in range(100):
+        if "caught up from worker 0" in agent.log_text():
+            break
+        await asyncio.sleep(0.1)
+    assert f"caught up from worker 0: draining {drained}" in agent.log_text()
+    await _wait_models(agent.url)
+    async with _fresh() as client:
+        replies = await asyncio.gather(*(_chat(client, agent.url, f"r {i}") for i in range(20)))
+    assert [r.status_code for r in replies] == [200] * 20
+    assert await _node_metric(nodes[0], "vllm:request_success_total") == before
 
 
 async def test_a_killed_worker_is_started_again_and_its_counts_are_cleared(
