@@ -1,0 +1,310 @@
+"""Throughput and prefix hits of ``meridian-agent --workers N``, saturated by wrk.
+
+Question: do N workers serve N times what one does, and keep its prefix hit rate?
+
+Set-up: two ``meridian-sim node --profile h100-llama3-8b --time-scale 1000`` nodes (they answer
+at once and keep a prefix cache), wrk ``-t1 -c64`` sending chat requests whose prompt is one of
+``--groups`` shared system prompts (``--prompt-words`` words each, picked round robin) and a
+question that never repeats, ``max_tokens`` 2.  The agent (``meridian`` policy, a fresh process
+per run) is pinned to the last N cores, wrk and the nodes to the cores before them; where there
+are not N + 1 cores, the agent shares core 0 with them (the table says so).  Per run:
+requests/s (wrk), the agent's CPU per request (its process tree, ``/proc/<pid>/stat``), and the
+nodes' prefix hit rate over the run (``vllm:prefix_cache_hits_total`` over
+``vllm:prefix_cache_queries_total``).  Each run has 2 s of warm-up first (not counted); repeats
+are interleaved, each going once through every N in an order rotated per repeat; the table gives
+medians (and the range).
+
+    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--repeats 3]
+        [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300] [--out-dir DIR]
+
+Writes workers_throughput.json, .md and .png to benchmarks/results/; progress on stderr.  Needs
+``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import agent_overhead as ao
+import proxy_overhead as po
+import router_cpu as rc
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+_LUA = r"""
+local counter = 0
+local model = os.getenv("BENCH_MODEL")
+local groups = tonumber(os.getenv("BENCH_GROUPS"))
+local headers = {["Content-Type"] = "application/json"}
+local system = [==[SYSTEM_PROMPT]==]
+request = function()
+  counter = counter + 1
+  local body = string.format(
+    '{"model":"%s","messages":[{"role":"system","content":"Group %d. %s"},' ..
+    '{"role":"user","content":"Question %d: answer in one word."}],"max_tokens":2}',
+    model, counter % groups, system, counter)
+  return wrk.format("POST", "/v1/chat/completions", headers, body)
+end
+""" + rc._LUA[rc._LUA.index("done = function") :]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+async def _prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(f"{url}/metrics") as resp:
+                for line in (await resp.text()).splitlines():
+                    if line.startswith("vllm:prefix_cache_hits_total"):
+                        hits += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:prefix_cache_queries_total"):
+                        queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def start_agent(workers: int, node_urls: Sequence[str], cpus: set[int], logdir: Path) -> ao.Child:
+    argv = ["-m", "regional_agent.cli", "--port", "0", "--workers", str(workers),
+            "--policy", "meridian", "--log-level", "WARNING"]  # fmt: skip
+    for url in node_urls:
+        argv += ["--node", url]
+    child = ao.spawn(f"agent-{workers}", argv, logdir)
+    po.pin(child.proc.pid, cpus)
+    ao.wait_ready(child)
+    po.pin(child.proc.pid, cpus)  # the workers and their threads, started since
+    return child
+
+
+def run_once(
+    workers: int,
+    *,
+    node_urls: Sequence[str],
+    agent_cpus: set[int],
+    load_cpu: int,
+    script: Path,
+    model: str,
+    args: argparse.Namespace,
+    logdir: Path,
+) -> dict[str, Any]:
+    agent = start_agent(workers, node_urls, agent_cpus, logdir)
+    try:
+        asyncio.run(_wait(agent.url, model))
+        env = {**os.environ, "BENCH_MODEL": model, "BENCH_GROUPS": str(args.groups)}
+        _wrk(agent.url, script, env, 2.0, args.connections, load_cpu)  # warm-up
+        hits0, queries0 = asyncio.run(_prefix_counters(node_urls))
+        cpu0 = po.tree_cpu_s(agent.proc.pid)
+        t0 = time.perf_counter()
+        res = _wrk(agent.url, script, env, args.duration_s, args.connections, load_cpu)
+        elapsed = time.perf_counter() - t0
+        cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
+        hits1, queries1 = asyncio.run(_prefix_counters(node_urls))
+    finally:
+        ao.stop_all([agent])
+    n = res["requests"]
+    return {
+        "workers": workers,
+        "agent_cpus": sorted(agent_cpus),
+        "shares_load_core": load_cpu in agent_cpus,
+        "requests": n,
+        "errors": res["status_errors"] + res["socket_errors"],
+        "requests_per_s": n / (res["duration_us"] / 1e6),
+        "cpu_us_per_request": cpu / n * 1e6 if n else None,
+        "cores_busy": cpu / elapsed,
+        "prefix_hit_rate": (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else None,
+        "latency_p99_ms": res["p99_us"] / 1000,
+    }
+
+
+async def _wait(url: str, model: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await ao.wait_serving(session, url, model=model, timeout_s=60)
+
+
+def _wrk(
+    url: str, script: Path, env: dict[str, str], duration_s: float, connections: int, cpu: int
+) -> dict[str, Any]:
+    argv = ["taskset", "-c", str(cpu), "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s",
+            "--timeout", "5s", "-s", str(script), url]  # fmt: skip
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=duration_s + 30)
+    for line in out.stdout.splitlines():
+        if line.startswith("WRK_JSON "):
+            result: dict[str, Any] = json.loads(line.removeprefix("WRK_JSON "))
+            return result
+    raise SystemExit(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}{out.stderr}")
+
+
+def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for workers in sorted({r["workers"] for r in runs}):
+        rows = [r for r in runs if r["workers"] == workers]
+
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> dict[str, float]:
+            values = [r[key] for r in rows if r[key] is not None]
+            return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+        out.append(
+            {
+                "workers": workers,
+                "agent_cpus": rows[0]["agent_cpus"],
+                "shares_load_core": rows[0]["shares_load_core"],
+                "requests_per_s": med("requests_per_s"),
+                "cpu_us_per_request": med("cpu_us_per_request"),
+                "cores_busy": med("cores_busy"),
+                "prefix_hit_rate": med("prefix_hit_rate"),
+                "latency_p99_ms": med("latency_p99_ms"),
+                "errors": sum(r["errors"] for r in rows),
+            }
+        )
+    return out
+
+
+def table(summary: Sequence[dict[str, Any]]) -> list[str]:
+    base = summary[0]["requests_per_s"]["median"] if summary else 1.0
+
+    def rng(s: dict[str, float], fmt: str) -> str:
+        return f"{s['median']:{fmt}} ({s['min']:{fmt}} to {s['max']:{fmt}})"
+
+    lines = [
+        "| workers | agent cores | requests/s | of one worker's | CPU per request, µs | cores busy "
+        "| node prefix hit rate | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        cores = ",".join(str(c) for c in s["agent_cpus"])
+        if s["shares_load_core"]:
+            cores += " (shared with wrk and the nodes)"
+        lines.append(
+            f"| {s['workers']} | {cores} | {rng(s['requests_per_s'], ',.0f')} "
+            f"| {s['requests_per_s']['median'] / base:.2f}x "
+            f"| {rng(s['cpu_us_per_request'], ',.0f')} "
+            f"| {rng(s['cores_busy'], '.2f')} | {rng(s['prefix_hit_rate'], '.3f')} "
+            f"| {rng(s['latency_p99_ms'], '.1f')} | {s['errors']} |"
+        )
+    return lines
+
+
+def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
+    plt = rc._pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [s["workers"] for s in summary]
+    rps = [s["requests_per_s"]["median"] for s in summary]
+    left.plot(xs, rps, marker="o", label="measured")
+    left.plot(
+        xs, [rps[0] * x for x in xs], linestyle="--", color="grey", label="N times one worker"
+    )
+    left.set_xlabel("workers")
+    left.set_ylabel("requests/s")
+    left.set_xticks(xs)
+    left.legend()
+    hit = [s["prefix_hit_rate"]["median"] for s in summary]
+    right.bar([str(x) for x in xs], hit)
+    right.set_ylim(0, 1)
+    right.set_xlabel("workers")
+    right.set_ylabel("nodes' prefix hit rate")
+    fig.suptitle(f"meridian-agent --workers N, saturated by wrk\n{subtitle}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cpus = sorted(os.sched_getaffinity(0))
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 5 s")
+    parser.add_argument("--workers", default=",".join(str(n) for n in range(1, len(cpus) + 1)))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, default=300)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.duration_s = 1, 5.0
+    counts = [int(n) for n in args.workers.split(",")]
+    if max(counts) > len(cpus):
+        parser.error(f"--workers: at most {len(cpus)} here (the cores this process may use)")
+    for tool in ("wrk", "taskset"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not installed: apt-get install wrk util-linux")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    load_cpu = cpus[0]
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="workers-") as tmp:
+        logdir = Path(tmp)
+        script = logdir / "chat.lua"
+        script.write_text(_LUA.replace("SYSTEM_PROMPT", rc.system_prompt(args.prompt_words)))
+        nodes = [ao.spawn_node(i, profile="h100-llama3-8b", time_scale=1000, logdir=logdir)
+                 for i in range(2)]  # fmt: skip
+        try:
+            node_urls = [ao.wait_ready(c) for c in nodes]
+            for c in nodes:
+                po.pin(c.proc.pid, {load_cpu})
+            model = asyncio.run(rc._serving([], node_urls[0]))
+            for rep in range(args.repeats):
+                order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
+                for workers in order:
+                    agent_cpus = set(cpus[-workers:])
+                    row = run_once(
+                        workers,
+                        node_urls=node_urls,
+                        agent_cpus=agent_cpus,
+                        load_cpu=load_cpu,
+                        script=script,
+                        model=model,
+                        args=args,
+                        logdir=logdir,
+                    )
+                    row["repeat"] = rep
+                    runs.append(row)
+                    log(
+                        f"repeat {rep + 1}/{args.repeats} workers {workers}: "
+                        f"{row['requests_per_s']:,.0f} req/s, "
+                        f"{row['cpu_us_per_request']:.0f} µs/request, "
+                        f"cores {row['cores_busy']:.2f}, hit rate {row['prefix_hit_rate']:.3f}, "
+                        f"errors {row['errors']}"
+                    )
+        finally:
+            ao.stop_all(nodes)
+    summary = summarise(runs)
+    mach = ao.machine()
+    subtitle = (
+        f"wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} system prompts of "
+        f"{args.prompt_words} words, {args.repeats} interleaved repeats; "
+        f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
+    )
+    result = {
+        "benchmark": "workers_throughput",
+        "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "machine": mach,
+        "runs": runs,
+        "summary": summary,
+    }
+    (args.out_dir / "workers_throughput.json").write_text(json.dumps(result, indent=2))
+    md = [f"# meridian-agent --workers N ({subtitle})", "", *table(summary), ""]
+    (args.out_dir / "workers_throughput.md").write_text("\n".join(md))
+    print("\n".join(table(summary)))
+    plot(summary, subtitle, args.out_dir / "workers_throughput.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
