@@ -43,6 +43,7 @@ class Task:
     seed: int = 0
     regions: int = 1
     agents: int = 1  # agent replicas per region (FleetConfig.agents_per_region)
+    workers: bool = False  # the agents are one agent's workers (FleetConfig.workers)
     candidates: int | None = None  # RoutingConfig.meridian_candidates (None: the default)
 
 
@@ -72,6 +73,7 @@ def _run(task: Task) -> dict[str, Any]:
         policy=task.policy,
         regions=task.regions,
         agents_per_region=task.agents,
+        workers=task.workers,
         scrape_interval_s=task.scrape_interval_s,
         seed=task.seed,
         routing=(
@@ -87,6 +89,7 @@ def _run(task: Task) -> dict[str, Any]:
         "arrival_rate_per_s": work.rate_per_s,
         "window_s": task.window_s,
         "candidates": task.candidates,
+        "workers": task.workers,
         **result.summary,
     }
 

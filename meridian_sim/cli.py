@@ -5,7 +5,7 @@ meridian-sim node --port 8001 --profile h100-llama3-8b [--model NAME] [--time-sc
                   [--otlp-traces-endpoint URL]
 meridian-sim profiles
 meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
-                   [--agents-per-region A] [--scrape-interval-s S] [--profile NAME]
+                   [--agents-per-region A [--workers]] [--scrape-interval-s S] [--profile NAME]
                    [--duration-s D] [--json FILE]
 """
 
@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a session sticks to one (default 1)",
     )
     f.add_argument(
+        "--workers",
+        action="store_true",
+        help="the agents of a region are the workers of one agent (meridian-agent --workers): "
+        "summed counts, shared prefix records, requests spread per request",
+    )
+    f.add_argument(
         "--scrape-interval-s",
         type=_nonneg_float,
         default=1.0,
@@ -234,6 +240,7 @@ def _fleet(args: argparse.Namespace) -> int:
             policy=args.policy,
             regions=args.regions,
             agents_per_region=args.agents_per_region,
+            workers=args.workers,
             scrape_interval_s=args.scrape_interval_s,
             stale_after_s=args.stale_after_s,
             slots_per_node=args.slots,

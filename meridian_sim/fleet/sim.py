@@ -22,6 +22,13 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
   its region's nodes together every ``scrape_interval_s`` (its scraper's tick), at its own
   random phase; with ``scrape_interval_s = 0`` every decision sees the live engine state
   ("fresh").
+- **Workers** (``workers``): the agents of a region are instead the workers of one agent
+  (``regional_agent.workers``).  A view's ``in_flight``, ``in_flight_tokens`` and
+  ``prefill_tokens`` are summed over them, so ``slots`` caps the node's requests from all of
+  them; every routed prompt is observed by every worker's policy; and a request goes to a worker
+  by a hash of its index, not its session, as the kernel spreads connections.  The sharing is
+  instant here (the agent's workers read each other's counts every
+  ``workers.share_interval_s``, 2 ms, and get prefix records a loop turn later).
 - **The central queue**, one per agent, as ``regional_agent.queue.dispatcher``: a request is
   routed when it arrives if nobody waits ahead of it; otherwise, or when the policy finds no
   free slot, it waits, first come first served (traces carry one priority class), until a slot
@@ -86,6 +93,9 @@ class FleetConfig:
     regions: int = 1
     agents_per_region: int = 1
     """Agent replicas per region, each with its own policy, queue, counts and scrapes."""
+    workers: bool = False
+    """The agents of a region are the workers of one ``meridian-agent --workers N``: they route
+    on their summed counts and each one's prefix records, and requests reach them at random."""
     scrape_interval_s: float = 1.0
     """Seconds between telemetry scrapes (the agent's default); 0: fresh, live state."""
     stale_after_s: float | None = None
@@ -227,11 +237,13 @@ def region_of(request: TraceRequest, index: int, regions: int) -> int:
     return _stable_hash(_session_key(request, index)) % regions
 
 
-def agent_of(request: TraceRequest, index: int, agents: int) -> int:
+def agent_of(request: TraceRequest, index: int, agents: int, *, workers: bool = False) -> int:
     """The agent of its region a request goes to: stable per session, independent of
-    :func:`region_of` (another hash of the same key)."""
+    :func:`region_of` (another hash of the same key); with ``workers``, per request."""
     if agents == 1:
         return 0
+    if workers:
+        return _stable_hash(f"worker:{index}") % agents
     return _stable_hash(f"agent:{_session_key(request, index)}") % agents
 
 
@@ -279,7 +291,8 @@ class Fleet:
         self._region_of = [region_of(r, i, config.regions) for i, r in enumerate(requests)]
         k = config.agents_per_region
         self._agent_of = [  # index into self._agents
-            self._region_of[i] * k + agent_of(r, i, k) for i, r in enumerate(requests)
+            self._region_of[i] * k + agent_of(r, i, k, workers=config.workers)
+            for i, r in enumerate(requests)
         ]
         self._dispatched: list[float | None] = [None] * n
         self._node_of: list[int | None] = [None] * n
@@ -496,15 +509,33 @@ class Fleet:
                 prefix_hit_rate=None,
                 block_size=self.profile.block_size,
             )
+        pos = node.pos
+        if cfg.workers:
+            siblings = agent.region.agents
+            in_flight = sum(a.in_flight[pos] for a in siblings)
+            tokens = sum(a.in_flight_tokens[pos] for a in siblings)
+            prefill = sum(a.prefill_tokens[pos] for a in siblings)
+        else:
+            in_flight = agent.in_flight[pos]
+            tokens = agent.in_flight_tokens[pos]
+            prefill = agent.prefill_tokens[pos]
         return NodeView(
             node_id=node.node_id,
             models=frozenset((MODEL,)),
-            in_flight=agent.in_flight[node.pos],
-            in_flight_tokens=agent.in_flight_tokens[node.pos],
-            prefill_tokens=agent.prefill_tokens[node.pos],
+            in_flight=in_flight,
+            in_flight_tokens=tokens,
+            prefill_tokens=prefill,
             slots=cfg.slots_per_node,
             telemetry=telemetry,
         )
+
+    def _counted(self, agent: _Agent, pos: int) -> None:
+        """``agent``'s counts of the node at ``pos`` moved: the views that show them go."""
+        if self.config.workers:
+            for sibling in agent.region.agents:
+                sibling.views[pos] = None
+        else:
+            agent.views[pos] = None
 
     def _try_route(self, agent: _Agent, i: int, now: float) -> bool:
         request = self._request_view(i)
@@ -520,8 +551,12 @@ class Fleet:
         pending = max(0, request.prompt_tokens - decision.expected_hit_tokens)
         agent.prefill[str(i)] = pending
         agent.prefill_tokens[pos] += pending
-        agent.views[pos] = None
-        agent.policy.observe_routed(request, decision.node, now=now)
+        self._counted(agent, pos)
+        if self.config.workers:
+            for sibling in agent.region.agents:
+                sibling.policy.observe_routed(request, decision.node, now=now)
+        else:
+            agent.policy.observe_routed(request, decision.node, now=now)
         self._dispatched[i] = now
         self._node_of[i] = node.index
         if self._overhead_s > 0:
@@ -576,7 +611,7 @@ class Fleet:
             if event.index == 0:  # a first token: its prefill is no longer ahead
                 agent = self._agents[self._agent_of[int(event.request_id)]]
                 agent.prefill_tokens[pos] -= agent.prefill.pop(event.request_id, 0)
-                agent.views[pos] = None
+                self._counted(agent, pos)
         for rec in result.finished:
             i = int(rec.request_id)
             self._records[i] = rec
@@ -584,7 +619,7 @@ class Fleet:
             agent = self._agents[self._agent_of[i]]
             agent.in_flight[pos] -= 1
             agent.in_flight_tokens[pos] -= r.input_length + r.output_length
-            agent.views[pos] = None
+            self._counted(agent, pos)
         if node.engine.has_unfinished:
             self._start_step(node, now)
         else:
