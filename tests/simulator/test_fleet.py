@@ -292,3 +292,53 @@ def test_slots_cap_each_agents_own_in_flight_not_the_node_total() -> None:
     at_once = Counter(o.agent for o in four.outcomes if o.dispatched_s == 0.0)
     assert set(at_once) == {0, 1, 2, 3} and set(at_once.values()) == {2}  # 8 on one node
     assert four.summary["completed"] == len(burst)
+
+
+# -- workers of one agent (FleetConfig.workers) ------------------------------------------------
+
+
+def test_workers_see_the_node_total_and_share_one_slot_cap() -> None:
+    requests = workloads.scale_to_rate(_sessions(rate=4.0), rate_per_s=40.0)
+    config = fleet.FleetConfig(
+        nodes=4, agents_per_region=3, workers=True, policy="meridian", scrape_interval_s=0.5
+    )
+    sim = _Watched(requests, config)
+    result = sim.run()
+    assert result.summary["completed"] == len(requests)
+    assert all(shown == totals for shown, _, totals in sim.seen)  # every worker's, summed
+    assert any(t > o for _, own, totals in sim.seen for o, t in zip(own, totals, strict=True))
+    # connections, not sessions, are spread: a session's requests reach several workers
+    by_session: dict[str | None, set[int]] = {}
+    for o in result.outcomes:
+        by_session.setdefault(requests[o.index].session, set()).add(o.agent)
+    assert any(len(v) > 1 for v in by_session.values())
+    burst = [
+        workloads.TraceRequest(
+            timestamp_s=0.0, input_length=900, output_length=400, hash_ids=(0, 10_000 + i)
+        )
+        for i in range(24)
+    ]
+    four = _run(burst, nodes=1, agents_per_region=4, workers=True, policy="round_robin",
+                slots_per_node=2)  # fmt: skip
+    assert sum(o.dispatched_s == 0.0 for o in four.outcomes) == 2  # the node's 2, not 4 x 2
+    assert four.summary["completed"] == len(burst)
+
+
+def test_every_worker_learns_where_each_prompt_went() -> None:
+    requests = workloads.scale_to_rate(_sessions(seed=3, rate=4.0), rate_per_s=30.0)
+    shared = Fleet(H100, requests, fleet.FleetConfig(nodes=4, agents_per_region=3, workers=True,
+                                                      policy="prefix_aware"))  # fmt: skip
+    shared.run()
+    apart = Fleet(H100, requests, fleet.FleetConfig(nodes=4, agents_per_region=3,
+                                                     policy="prefix_aware"))  # fmt: skip
+    apart.run()
+
+    def known(sim: Fleet, i: int) -> list[dict[NodeId, int]]:
+        """What each agent's prefix index says of request ``i``'s prompt: node -> blocks."""
+        view = sim._request_view(i)
+        return [a.policy._index.match(view.block_hashes, now=0.0) for a in sim._agents]  # type: ignore[attr-defined]
+
+    # in the shared run the workers' indexes agree on every prompt; apart they do not
+    assert all(all(k == known(shared, i)[0] for k in known(shared, i)) for i in range(40))
+    assert all(known(shared, i)[0] for i in range(40))
+    assert any(any(k != known(apart, i)[0] for k in known(apart, i)) for i in range(40))
