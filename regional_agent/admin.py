@@ -88,9 +88,13 @@ def _node(agent: Edge, request: web.Request) -> Node:
 
 
 def describe(agent: Edge, node: Node) -> dict[str, Any]:
+    """A node as ``GET /admin/nodes`` shows it.  With several workers the load is every
+    worker's (``in_flight`` ... ``prefill_tokens``, and "drained" when none has a request
+    there); ``requests_total``, ``errors_total`` and the decisions are this worker's own."""
     now = agent.clock.now()
+    in_flight, tokens, prefill = agent.pool.load(node)
     admin_state = node.admin.value
-    if node.admin is AdminState.DRAINING and node.in_flight == 0:
+    if node.admin is AdminState.DRAINING and in_flight == 0:
         admin_state = "drained"
     return {
         "id": node.node_id,
@@ -101,9 +105,9 @@ def describe(agent: Edge, node: Node) -> dict[str, Any]:
         "slots": node.slots,
         "group": node.group or node.node_id,
         "source": node.source,
-        "in_flight": node.in_flight,
-        "in_flight_tokens": node.in_flight_tokens,
-        "prefill_tokens": node.prefill_tokens,
+        "in_flight": in_flight,
+        "in_flight_tokens": tokens,
+        "prefill_tokens": prefill,
         "requests_total": node.requests_total,
         "errors_total": node.errors_total,
         "health": agent.health.describe(node.node_id, now=now),

@@ -46,6 +46,10 @@ class SharedLoad(Protocol):
 
     def totals(self, node_id: str) -> tuple[int, int, int] | None: ...
 
+    def reserve(
+        self, node_id: str, slots: int, in_flight: int, tokens: int, prefill: int
+    ) -> bool: ...
+
     def forget(self, node_id: str) -> None: ...
 
     def moved(self) -> set[str]: ...
@@ -259,12 +263,17 @@ class NodePool:
             if v.admin is AdminState.ACTIVE and v.health is Health.HEALTHY
         ]
 
-    def view(self, node: Node, *, now: float) -> NodeView:
-        in_flight, tokens, prefill = node.in_flight, node.in_flight_tokens, node.prefill_tokens
+    def load(self, node: Node) -> tuple[int, int, int]:
+        """``node``'s requests, tokens and uncached prefill in flight: every worker's with
+        several (``shared``), else this agent's own counts."""
         if self.shared is not None:
             totals = self.shared.totals(node.node_id)
             if totals is not None:
-                in_flight, tokens, prefill = totals
+                return totals
+        return node.in_flight, node.in_flight_tokens, node.prefill_tokens
+
+    def view(self, node: Node, *, now: float) -> NodeView:
+        in_flight, tokens, prefill = self.load(node)
         return NodeView(
             node_id=node.node_id,
             models=node.models,
@@ -281,17 +290,27 @@ class NodePool:
 
     # -- the agent's own accounting ----------------------------------------------------------
 
-    def acquire(self, node_id: NodeId, *, tokens: int, prefill: int = 0) -> None:
-        """A request was sent to ``node_id``: ``tokens`` (prompt + max_tokens) in flight, of
-        which ``prefill`` prompt tokens the node has to compute before its first token."""
+    def acquire(self, node_id: NodeId, *, tokens: int, prefill: int = 0) -> bool:
+        """A request is sent to ``node_id``: ``tokens`` (prompt + max_tokens) in flight, of
+        which ``prefill`` prompt tokens the node has to compute before its first token.  With
+        several workers, False (nothing counted, the node's view rebuilt) when a sibling took
+        the node's last slot since this worker's view of it."""
         node = self._nodes[node_id]
+        if self.shared is not None and not self.shared.reserve(
+            node_id,
+            node.slots,
+            node.in_flight + 1,
+            node.in_flight_tokens + tokens,
+            node.prefill_tokens + prefill,
+        ):
+            self._changed(node_id)
+            return False
         node.in_flight += 1
         node.in_flight_tokens += tokens
         node.prefill_tokens += prefill
         node.requests_total += 1
         self._changed(node_id)
-        if self.shared is not None:
-            self.shared.write(node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens)
+        return True
 
     def first_token(self, node_id: NodeId, *, prefill: int) -> None:
         """The request's first token arrived: its ``prefill`` is done."""

@@ -33,6 +33,8 @@ from regional_agent.settings import QueueSettings
 
 log = logging.getLogger(__name__)
 
+_CHOICES = 3  # decisions a request may take when sibling workers keep taking the chosen slot
+
 
 @dataclass(slots=True, kw_only=True, eq=False)
 class Lease:
@@ -209,13 +211,20 @@ class Dispatcher:
         views: Sequence[NodeView],
     ) -> Lease | None:
         now = self._clock.now()
-        if exclude:  # a retry: a plain list, which every policy scores in full
-            views = [v for v in views if v.node_id not in exclude]
-        decision = self.policy.choose(request, views, now=now, rng=self._rng)
-        if decision.node is None:
-            return None
-        prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
-        self._pool.acquire(decision.node, tokens=tokens, prefill=prefill)
+        for _ in range(_CHOICES):
+            if exclude:  # a retry: a plain list, which every policy scores in full
+                views = [v for v in views if v.node_id not in exclude]
+            decision = self.policy.choose(request, views, now=now, rng=self._rng)
+            if decision.node is None:
+                return None
+            prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
+            if self._pool.acquire(decision.node, tokens=tokens, prefill=prefill):
+                break
+            # a sibling worker took the node's last slot since this worker's view: choose
+            # again on its fresh count
+            views = self._pool.views(now=now)
+        else:
+            return None  # it waits: a freed slot wakes the queue
         self.policy.observe_routed(request, decision.node, now=now)
         if self.on_routed is not None and request.block_hashes:
             self.on_routed(decision.node, request.block_hashes)

@@ -9,11 +9,13 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. S]                   node keys: slot s holds the 63-bit key of one node id (0: free)
     [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
 
-No locks on the counts: a worker writes only its own cells (aligned 8-byte stores, which
-x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be one
-write behind; the next one catches up.  Only claiming a free slot for a new node takes a lock
-(``flock`` on a file in the workers' private directory: the kernel drops it if its holder
-dies), and slots are never freed, so a lookup without the lock is safe.
+No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
+which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
+one write behind; the next one catches up.  Two things take a lock (``flock`` on a file in the
+workers' private directory, which the kernel drops if its holder dies): claiming a free slot for
+a new node (slots are never freed, so a lookup without the lock is safe), and
+:meth:`LoadShare.reserve`, which checks a node's summed in-flight count against its slots and
+counts the new request in one step, so two workers can never both take a node's last slot.
 
 A reader learns which nodes its siblings' writes touched from their generations and rings:
 a sibling whose generation moved by at most RING since the last read wrote the slots its ring
@@ -86,13 +88,13 @@ class LoadShare:
         self._table = table
         self._cells = table.cells
         self._worker = worker
-        self._lock_file = lock_file
         self._slots: dict[str, int | None] = {}  # node id -> its slot (None: the table is full)
         self._by_slot: dict[int, str] = {}  # the reverse, of the slotted ones
         self._versions: dict[int, int] = {}  # slot -> the sum of its versions at the last scan
         self._generations = [0] * table.workers  # each worker's, as last read
         self._ring = table.rings_at + worker * RING
         self._span = table.workers * _FIELDS
+        self._lock = _FileLock(lock_file)
         self.full_warned = False
 
     # -- slots -------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ class LoadShare:
         key = node_key(node_id)
         found = self._find(key, claim=False)
         if found is None:
-            with self._locked():
+            with self._lock:
                 found = self._find(key, claim=True)
         if found is None and not self.full_warned:
             self.full_warned = True
@@ -137,9 +139,6 @@ class LoadShare:
                 return s
         return None
 
-    def _locked(self) -> _FileLock:
-        return _FileLock(self._lock_file)
-
     # -- the counts ----------------------------------------------------------------------------
 
     def write(self, node_id: str, in_flight: int, tokens: int, prefill: int) -> None:
@@ -156,6 +155,24 @@ class LoadShare:
         generation = cells[1 + self._worker] + 1
         cells[self._ring + generation % RING] = slot
         cells[1 + self._worker] = generation  # last: a reader that sees it sees the ring entry
+
+    def reserve(self, node_id: str, slots: int, in_flight: int, tokens: int, prefill: int) -> bool:
+        """Write this worker's new counts of ``node_id`` (``in_flight`` is one more than its
+        last) if every worker's requests there, this one included, stay within ``slots``;
+        False, nothing written, when a sibling has taken the last slot since."""
+        slot = self.slot(node_id)
+        if slot is None:
+            self.write(node_id, in_flight, tokens, prefill)
+            return True
+        cells = self._cells
+        mine = self._table.cell(slot, self._worker)
+        at = self._table.cell(slot, 0)
+        with self._lock:
+            others = sum(cells[at : at + self._span : _FIELDS]) - cells[mine]
+            if others + in_flight > slots:
+                return False
+            self.write(node_id, in_flight, tokens, prefill)
+        return True
 
     def forget(self, node_id: str) -> None:
         """``node_id`` left this worker's pool: what it had counted there is gone with it."""
@@ -222,17 +239,19 @@ class LoadShare:
 
 
 class _FileLock:
-    """``flock`` on a file of the private directory, held for a ``with`` block."""
+    """``flock`` on a file of the private directory, held for a ``with`` block; the file is
+    opened on first use, in the worker that uses it (a descriptor inherited across fork would
+    share one lock between the processes, which excludes nobody)."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._fd = -1
 
     def __enter__(self) -> _FileLock:
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        if self._fd < 0:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)

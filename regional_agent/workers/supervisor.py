@@ -89,7 +89,7 @@ def run(
             port=reserved.getsockname()[1],
             table=LoadTable(workers=count, slots=table_slots),
             start_worker=start_worker,
-            keep_closed=reserved,
+            reserved=reserved,
         )
         return supervisor.run(ready_line=f"READY {scheme}://{host}:{{port}}")
     finally:
@@ -104,13 +104,13 @@ class _Supervisor:
         port: int,
         table: LoadTable,
         start_worker: Callable[[Worker, int], int],
-        keep_closed: socket.socket,
+        reserved: socket.socket,
     ) -> None:
         self.count = count
         self.port = port
         self.table = table
         self.start_worker = start_worker
-        self.reserved = keep_closed  # the children close it
+        self.reserved = reserved  # the port's socket; the children close their copy
         self.directory = Path(tempfile.mkdtemp(prefix="meridian-agent-"))  # mode 0700
         self.children: dict[int, _Child] = {}  # pid -> child
         self.waiting: dict[int, tuple[float, int]] = {}  # index -> (start again at, restarts)

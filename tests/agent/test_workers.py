@@ -78,6 +78,24 @@ def test_a_forked_worker_s_counts_are_summed_and_seen_as_moved(lock_file: Path) 
     assert me.moved() == {"http://a:8000", "http://b:8000"}
 
 
+def test_a_node_s_last_slot_goes_to_one_worker_only(lock_file: Path) -> None:
+    table = LoadTable(workers=2, slots=16)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    assert me.reserve("http://a:8000", 2, 1, 100, 10)
+
+    def sibling() -> None:
+        other = LoadShare(table, worker=1, lock_file=lock_file)
+        assert other.reserve("http://a:8000", 2, 1, 50, 0)  # the second of two slots
+        assert not other.reserve("http://a:8000", 2, 2, 60, 0)  # none left: nothing written
+        assert other.totals("http://a:8000") == (2, 150, 10)
+
+    _in_child(sibling)
+    assert not me.reserve("http://a:8000", 2, 2, 200, 20)
+    assert me.totals("http://a:8000") == (2, 150, 10)
+    me.write("http://a:8000", 0, 0, 0)  # this worker's request ended
+    assert me.reserve("http://a:8000", 2, 1, 10, 0)
+
+
 def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
     lock_file: Path,
 ) -> None:
@@ -427,6 +445,9 @@ async def test_a_killed_worker_is_started_again_and_its_counts_are_cleared(
                 break
             await asyncio.sleep(0.05)
         assert holder is not None, "the long request never showed in flight"
+        for _ in range(8):  # either worker answers, with the node's load over both
+            listed = (await client.get(f"{agent.url}/admin/nodes", headers=ADMIN)).json()
+            assert [n["in_flight"] for n in listed["nodes"]] == [1], listed
         pids = sorted(agent.workers())  # forked in index order
         os.kill(pids[holder], signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
