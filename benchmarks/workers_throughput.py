@@ -14,10 +14,15 @@ nodes' prefix hit rate over the run (``vllm:prefix_cache_hits_total`` over
 are interleaved, each going once through every N in an order rotated per repeat; the table gives
 medians (and the range).
 
-    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--repeats 3]
+``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
+CPU per request against one worker's is what the sharing costs (the prefix records each worker
+inserts for its siblings, the reads of their counts, a second event loop).
+
+    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--one-core] [--repeats 3]
         [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300] [--out-dir DIR]
 
-Writes workers_throughput.json, .md and .png to benchmarks/results/; progress on stderr.  Needs
+Writes workers_throughput.json, .md and .png (``workers_throughput_one_core.*`` with
+``--one-core``) to benchmarks/results/; progress on stderr.  Needs
 ``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``).
 """
 
@@ -233,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--one-core", action="store_true", help="every worker on the last core")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -262,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rep in range(args.repeats):
                 order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
                 for workers in order:
-                    agent_cpus = set(cpus[-workers:])
+                    agent_cpus = {cpus[-1]} if args.one_core else set(cpus[-workers:])
                     row = run_once(
                         workers,
                         node_urls=node_urls,
@@ -289,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     subtitle = (
         f"wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} system prompts of "
         f"{args.prompt_words} words, {args.repeats} interleaved repeats; "
+        f"{'every worker on one core; ' if args.one_core else ''}"
         f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
     )
     result = {
@@ -298,11 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": runs,
         "summary": summary,
     }
-    (args.out_dir / "workers_throughput.json").write_text(json.dumps(result, indent=2))
+    name = "workers_throughput_one_core" if args.one_core else "workers_throughput"
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     md = [f"# meridian-agent --workers N ({subtitle})", "", *table(summary), ""]
-    (args.out_dir / "workers_throughput.md").write_text("\n".join(md))
+    (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(table(summary)))
-    plot(summary, subtitle, args.out_dir / "workers_throughput.png")
+    plot(summary, subtitle, args.out_dir / f"{name}.png")
     return 0
 
 
