@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,12 +112,23 @@ def run_once(
     agent = start_agent(workers, node_urls, agent_cpus, logdir)
     try:
         asyncio.run(_wait(agent.url, model))
-        env = {**os.environ, "BENCH_MODEL": model, "BENCH_GROUPS": str(args.groups)}
-        _wrk(agent.url, script, env, 2.0, args.connections, load_cpu)  # warm-up
+        os.environ["BENCH_GROUPS"] = str(args.groups)  # the script's; rc.run_wrk passes it on
+
+        def wrk(duration_s: float) -> dict[str, Any]:
+            return rc.run_wrk(
+                agent.url,
+                script=script,
+                model=model,
+                stream=False,
+                duration_s=duration_s,
+                connections=args.connections,
+            )
+
+        wrk(2.0)  # warm-up
         hits0, queries0 = asyncio.run(_prefix_counters(node_urls))
         cpu0 = po.tree_cpu_s(agent.proc.pid)
         t0 = time.perf_counter()
-        res = _wrk(agent.url, script, env, args.duration_s, args.connections, load_cpu)
+        res = wrk(args.duration_s)
         elapsed = time.perf_counter() - t0
         cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
         hits1, queries1 = asyncio.run(_prefix_counters(node_urls))
@@ -142,19 +152,6 @@ def run_once(
 async def _wait(url: str, model: str) -> None:
     async with aiohttp.ClientSession() as session:
         await ao.wait_serving(session, url, model=model, timeout_s=60)
-
-
-def _wrk(
-    url: str, script: Path, env: dict[str, str], duration_s: float, connections: int, cpu: int
-) -> dict[str, Any]:
-    argv = ["taskset", "-c", str(cpu), "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s",
-            "--timeout", "5s", "-s", str(script), url]  # fmt: skip
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=duration_s + 30)
-    for line in out.stdout.splitlines():
-        if line.startswith("WRK_JSON "):
-            result: dict[str, Any] = json.loads(line.removeprefix("WRK_JSON "))
-            return result
-    raise SystemExit(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}{out.stderr}")
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -252,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: apt-get install wrk util-linux")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    load_cpu = cpus[0]
+    load_cpu = rc.LOAD_CPU  # where rc.run_wrk pins wrk; the nodes go there too
+    if load_cpu not in cpus:
+        raise SystemExit(f"needs core {load_cpu} for wrk and the nodes")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="workers-") as tmp:
         logdir = Path(tmp)

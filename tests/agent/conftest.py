@@ -16,7 +16,15 @@ import pytest
 
 from tests.support.agent import ADMIN, ADMIN_TOKEN, FAST, AgentFactory, AgentHandle
 
-__all__ = ["ADMIN", "ADMIN_TOKEN", "FAST", "AgentFactory", "AgentHandle", "SimProcess"]
+__all__ = [
+    "ADMIN",
+    "ADMIN_TOKEN",
+    "FAST",
+    "AgentFactory",
+    "AgentHandle",
+    "SimProcess",
+    "stop_process",
+]
 
 
 @dataclass
@@ -70,12 +78,17 @@ def sim_processes() -> Iterator[Callable[..., list[SimProcess]]]:
 
     yield start
     for sim in started:
-        if sim.proc.poll() is None:
-            sim.proc.terminate()
-            try:
-                sim.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                sim.proc.kill()
-                sim.proc.wait()
-        if sim.proc.stdout is not None:
-            sim.proc.stdout.close()
+        stop_process(sim.proc, timeout_s=10)
+
+
+def stop_process(proc: subprocess.Popen[str], *, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL past ``timeout_s``; and its stdout closed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()

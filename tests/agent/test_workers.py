@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from regional_agent.settings import Settings
 from regional_agent.workers.shared import RING, LoadShare, LoadTable
 from regional_agent.workers.siblings import decode, encode
-from tests.agent.conftest import ADMIN, ADMIN_TOKEN, SimProcess
+from tests.agent.conftest import ADMIN, ADMIN_TOKEN, SimProcess, stop_process
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the h100-llama3-8b profile's
 
@@ -218,15 +218,7 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
     yield start
     for agent in started:
-        if agent.proc.poll() is None:
-            agent.proc.terminate()
-            try:
-                agent.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.proc.kill()
-                agent.proc.wait()
-        if agent.proc.stdout is not None:
-            agent.proc.stdout.close()
+        stop_process(agent.proc, timeout_s=30)
 
 
 def _readline(proc: subprocess.Popen[str], *, timeout_s: float) -> str:
