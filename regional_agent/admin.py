@@ -18,7 +18,6 @@ GET      /admin/queue                     waiting requests per model, decisions 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -31,7 +30,7 @@ from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
 from regional_agent.nodes import Node
 from regional_agent.settings import GROUPS_POLICY, NodeSettings
-from regional_agent.workers.runtime import SIBLING_SECRET
+from regional_agent.workers.runtime import from_sibling
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +50,7 @@ def add_routes(app: web.Application) -> None:
 
 def _authorize(request: web.Request) -> Edge:
     agent = request.app[EDGE]
-    if agent.sibling_secret is not None and hmac.compare_digest(
-        request.headers.get(SIBLING_SECRET, ""), agent.sibling_secret
-    ):
+    if from_sibling(request, agent.sibling_secret):
         return agent  # a sibling worker passing on a change the admin token allowed
     admin = agent.settings.admin
     if not admin.enabled:
@@ -253,8 +250,13 @@ async def catch_up(agent: Edge, state: dict[str, Any]) -> list[str]:
     for node_id, seen in theirs.items():
         known = agent.pool.get(node_id)
         if known is None:
-            if seen.get("source") != "admin":
-                continue  # discovered: this worker's own discovery finds it
+            if seen.get("source") != "admin":  # discovered: this worker's discovery finds it
+                agent.roster.held[node_id] = (
+                    seen.get("admin") in ("draining", "drained"),
+                    float(seen.get("weight", 1.0)),
+                )
+                done.append(f"held for {node_id} until discovered")
+                continue
             group = seen.get("group")
             spec = NodeSettings(
                 id=node_id,

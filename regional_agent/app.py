@@ -326,8 +326,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     if runtime is not None:
         runtime.start()
         tasks.append(_spawn("workers-share", runtime.share_loop()))
-        if runtime.worker.restarted:
-            await runtime.catch_up(functools.partial(admin.catch_up, edge))
+        if runtime.worker.restarted:  # once it listens, which comes after this startup
+            catch_up = runtime.catch_up(functools.partial(admin.catch_up, edge))
+            tasks.append(_spawn("workers-catch-up", catch_up))
     publisher, scaler = app.get(PUBLISHER), app.get(AUTOSCALER)
     backoff_rng = app[_RNG]
 

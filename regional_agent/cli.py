@@ -183,14 +183,15 @@ async def _serve(
     tls = checked.tls
 
     def ready(port: int) -> None:
-        if worker is not None:
-            worker.announce_ready()
-            log.info("worker listening pid=%d workers=%d", os.getpid(), worker.count)
-            if worker.index != 0:
-                return  # worker 0 says what the agent is
-        # SIGHUP: the API keys and the TLS certificates (this replaces serve's TLS-only one)
+        # SIGHUP: the API keys and the TLS certificates (this replaces serve's TLS-only one);
+        # in every worker, before the supervisor hears it is ready (it forwards SIGHUP)
         with contextlib.suppress(NotImplementedError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal, app)
+        if worker is not None:
+            log.info("worker listening pid=%d workers=%d", os.getpid(), worker.count)
+            worker.announce_ready()
+            if worker.index != 0:
+                return  # worker 0 says what the agent is
         log.info(
             "meridian-agent listening url=%s://%s:%d policy=%s nodes=%d loop=%s",
             "https" if tls else "http", settings.server.host, port, settings.routing.policy,

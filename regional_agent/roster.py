@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from policies.model import NodeId
+from policies.model import AdminState, NodeId
 from regional_agent.errors import UpstreamError
 from regional_agent.health import HealthMonitor
 from regional_agent.nodes import Node, NodePool
@@ -45,6 +45,9 @@ class Roster:
         self._dispatcher = dispatcher
         self._default_slots = default_slots
         self._models_timeout_s = models_timeout_s
+        # admin state to give a node when it is added (a restarted worker learns of drains and
+        # weights of discovered nodes before its own discovery finds them): id -> (drain, weight)
+        self.held: dict[str, tuple[bool, float]] = {}
 
     def make(self, settings: NodeSettings, *, source: str = "static") -> Node:
         """The node ``settings`` describe, not yet in the pool."""
@@ -58,6 +61,12 @@ class Roster:
         first probe round)."""
         if node.node_id in self._pool:
             raise ValueError(f"node {node.node_id} is already in the pool")
+        held = self.held.pop(node.node_id, None)
+        if held is not None:
+            draining, node.weight = held
+            if draining:
+                node.admin = AdminState.DRAINING
+                node.drain_started_s = 0.0  # drained since before this process: the timeout ran
         if warm is not None:
             self._health.meet(node.node_id, warm=warm)
         self._pool.add(node)

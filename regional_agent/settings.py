@@ -1097,16 +1097,20 @@ class DiscoverySettings(_Group):
         return self
 
 
+_MAX_WORKERS = 256
+
+
 class WorkersSettings(_Group):
     """Serving processes (``regional_agent.workers``, docs/agent.md "Workers")."""
 
     count: int = Field(
         1,
         ge=0,
-        le=256,
+        le=_MAX_WORKERS,
         description="agent processes serving the port, each with its own SO_REUSEPORT socket and "
         "event loop, routing on their summed in-flight and prefill counts and each other's "
-        "prefix records; 0: one per CPU the process may run on; 1: one process, no supervisor",
+        "prefix records; 0: one per CPU the process may run on (256 at most); 1: one process, no "
+        "supervisor",
     )
     share_interval_s: float = Field(
         0.002,
@@ -1127,7 +1131,8 @@ class WorkersSettings(_Group):
         """How many workers to run: ``count``, or with 0 one per CPU this process may use."""
         if self.count:
             return self.count
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return min(cpus, _MAX_WORKERS)
 
 
 class Settings(BaseSettings):

@@ -19,6 +19,8 @@ the admin API takes in place of the admin token: the admin token itself is never
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
 import os
@@ -42,12 +44,20 @@ from regional_agent.workers.siblings import PrefixRelay
 
 log = logging.getLogger(__name__)
 
-RELAYED = "X-Meridian-Relayed"  # on a request one worker passes to another: not passed on again
+RELAYED = "X-Meridian-Relayed"  # which worker passed a request on (for logs; the secret counts)
 SIBLING_SECRET = "X-Meridian-Worker-Secret"  # the supervisor's secret (module docstring)
 MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
 _MUTATING = frozenset({"POST", "PUT", "DELETE"})
 _SIBLING_TIMEOUT_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def from_sibling(request: web.Request, secret: str | None) -> bool:
+    """Whether ``request`` carries the supervisor's secret (timing-safe, any bytes given)."""
+    if secret is None:
+        return False
+    given = request.headers.get(SIBLING_SECRET, "")
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), secret.encode())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +114,22 @@ class WorkerRuntime:
         dispatcher.on_routed = self.relay.send
 
     def start(self) -> None:
+        """Bind the prefix socket; the app's Unix socket of this worker's last life goes, so
+        that :meth:`listening` sees when this life's is up."""
+        with contextlib.suppress(FileNotFoundError):
+            self.worker.http_socket(self.worker.index).unlink()
         self.relay.start()
+
+    async def listening(self, timeout_s: float = 30.0) -> bool:
+        """Wait until this worker serves its siblings (its Unix socket exists)."""
+        path = self.worker.http_socket(self.worker.index)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not path.exists():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def close(self) -> None:
         self.relay.close()
@@ -132,17 +157,20 @@ class WorkerRuntime:
             request.method not in _MUTATING
             or not request.path.startswith("/admin/")
             or response.status >= 300
-            or RELAYED in request.headers
+            or from_sibling(request, self.worker.secret)  # a sibling's change: not passed on
         ):
             return response
         body = await request.read()
         headers = {k: request.headers[k] for k in ("Content-Type",) if k in request.headers}
         headers[RELAYED] = str(self.worker.index)
         headers[SIBLING_SECRET] = self.worker.secret
-        results = await asyncio.gather(
-            *(
-                self._call(w, request.method, request.path_qs, headers, body)
-                for w in self.worker.siblings()
+        # shielded: a client that goes away must not leave the change on some workers only
+        results = await asyncio.shield(
+            asyncio.gather(
+                *(
+                    self._call(w, request.method, request.path_qs, headers, body)
+                    for w in self.worker.siblings()
+                )
             )
         )
         missed = [
@@ -178,7 +206,12 @@ class WorkerRuntime:
         return ""
 
     async def catch_up(self, apply: Callable[[dict[str, Any]], Awaitable[list[str]]]) -> None:
-        """A restarted worker: take the nodes and policy from the first sibling that answers."""
+        """A restarted worker: take the nodes and policy from the first sibling that answers,
+        once this worker listens for its siblings (a change made from then on is passed to it;
+        one made before is in the answer)."""
+        if not await self.listening():
+            log.warning("restarted worker: its Unix socket never came up; not catching up")
+            return
         headers = {RELAYED: str(self.worker.index), SIBLING_SECRET: self.worker.secret}
         for worker in self.worker.siblings():
             try:
@@ -195,7 +228,12 @@ class WorkerRuntime:
             if status != 200:
                 log.info("worker %d cannot say the admin state: it answered %d", worker, status)
                 continue
-            done = await apply(json.loads(body))
+            try:
+                state = json.loads(body)
+            except ValueError as exc:
+                log.info("worker %d said the admin state in bad JSON: %s", worker, exc)
+                continue
+            done = await apply(state)
             log.warning(
                 "restarted worker caught up from worker %d: %s",
                 worker,
@@ -211,7 +249,7 @@ class WorkerRuntime:
         """This worker's metrics and its siblings', each sample labelled with its worker; a
         sibling that does not answer is left out (``meridian_agent_workers_scraped`` says how
         many did)."""
-        if RELAYED in request.headers:
+        if from_sibling(request, self.worker.secret):
             return self._render()
         texts: dict[int, str] = {self.worker.index: self._render().decode("utf-8")}
         replies = await asyncio.gather(
@@ -220,7 +258,7 @@ class WorkerRuntime:
                     str(self.worker.http_socket(w)),
                     "GET",
                     "/metrics",
-                    headers={RELAYED: str(self.worker.index)},
+                    headers={RELAYED: str(self.worker.index), SIBLING_SECRET: self.worker.secret},
                     timeout_s=_SIBLING_TIMEOUT_S,
                 )
                 for w in self.worker.siblings()

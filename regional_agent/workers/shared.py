@@ -18,8 +18,10 @@ a new node (slots are never freed, so a lookup without the lock is safe), and
 counts the new request in one step, so two workers can never both take a node's last slot.
 
 A reader learns which nodes its siblings' writes touched from their generations and rings:
-a sibling whose generation moved by at most RING since the last read wrote the slots its ring
-names; one that moved more (or was cleared) makes the reader compare every slot's versions.
+a sibling whose generation moved by less than RING since the last read wrote the slots its ring
+names; one that moved more (or was cleared) makes the reader compare every slot's versions, and
+so does every ``SCAN_EVERY``-th read, a backstop for an entry read before it was stored (x86-64
+keeps stores in order, arm64 need not).
 
 A worker that dies leaves its counts behind; the supervisor zeroes them
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
@@ -40,6 +42,7 @@ _MAGIC = 0x4D455249  # "MERI"
 _FIELDS = 4  # in_flight, tokens, prefill, version
 _VERSION = 3
 RING = 64  # slots of its last writes each worker names (module docstring)
+SCAN_EVERY = 25  # reads between full comparisons (50 ms at workers.share_interval_s 2 ms)
 
 
 def node_key(node_id: str) -> int:
@@ -92,6 +95,8 @@ class LoadShare:
         self._by_slot: dict[int, str] = {}  # the reverse, of the slotted ones
         self._versions: dict[int, int] = {}  # slot -> the sum of its versions at the last scan
         self._generations = [0] * table.workers  # each worker's, as last read
+        self._reads = 0
+        self._written = 0  # every worker's generations summed, at the last backstop
         self._ring = table.rings_at + worker * RING
         self._span = table.workers * _FIELDS
         self._lock = _FileLock(lock_file)
@@ -200,7 +205,11 @@ class LoadShare:
         cells, me = self._cells, self._worker
         seen = self._generations
         slots: set[int] = set()
+        self._reads += 1
         scan = False
+        if self._reads % SCAN_EVERY == 0:  # the backstop, unless nobody wrote since the last
+            written = sum(cells[1 : 1 + self._table.workers])
+            scan, self._written = written != self._written, written
         for worker in range(self._table.workers):
             if worker == me:
                 continue
@@ -208,12 +217,14 @@ class LoadShare:
             before = seen[worker]
             if now == before:
                 continue
-            if now - before > RING or now < before:
+            if now - before >= RING or now < before:
                 scan = True
             else:
                 ring = self._table.rings_at + worker * RING
                 slots.update(cells[ring + g % RING] for g in range(before + 1, now + 1))
-                if cells[1 + worker] - before > RING:  # it lapped its ring while read
+                # it may have overwritten the oldest entry read (a writer stores the entry of
+                # its next generation before the generation)
+                if cells[1 + worker] - before >= RING:
                     scan = True
             seen[worker] = now
         if scan:

@@ -3,7 +3,8 @@ datagrams on Unix sockets in the workers' private directory.
 
 Each worker binds ``w<i>.prefix``; a routed request's block hashes and node go to every sibling,
 batched: the records of one event-loop turn leave as one datagram per sibling (at most
-``MAX_DATAGRAM`` bytes each).  A sibling inserts them into its own policy's prefix index, as if
+``MAX_DATAGRAM`` bytes each; a longer prompt's record keeps its leading ``MAX_HASHES`` blocks).
+A sibling inserts them into its own policy's prefix index, as if
 it had routed the request, so N workers keep the hit rate of one.  Sending never blocks: a
 sibling that is restarting, or whose socket buffer is full, misses the record (counted in
 ``dropped``); the index is a hint, and the next request of that prefix teaches it again.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 60_000
 _HEAD = struct.Struct("=HI")
 _HASH_BYTES = array("Q").itemsize
+MAX_HASHES = (MAX_DATAGRAM - _HEAD.size - 1024) // _HASH_BYTES  # a record fits one datagram
 
 
 def prefix_socket(directory: Path, worker: int) -> Path:
@@ -107,9 +109,12 @@ class PrefixRelay:
 
     def send(self, node_id: str, hashes: Sequence[int]) -> None:
         """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched to
-        the end of this event-loop turn)."""
+        the end of this event-loop turn); a prompt of more than ``MAX_HASHES`` blocks (7,371:
+        118k tokens of 16) sends its leading ones."""
         if self._socket is None or not self._siblings or not hashes:
             return
+        if len(hashes) > MAX_HASHES:
+            hashes = hashes[:MAX_HASHES]  # the leading blocks: what a prefix match reads first
         try:
             record = encode(node_id, hashes)
         except OverflowError:

@@ -137,8 +137,10 @@ class _Supervisor:
                     os.waitpid(pid, 0)
             os.close(self.ready_r)
             os.close(self.ready_w)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
             shutil.rmtree(self.directory, ignore_errors=True)
+            while signal.sigtimedwait(_SIGNALS, 0) is not None:
+                pass  # a SIGTERM after the last worker ended is done with: do not die of it
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
     def step(self, ready_line: str) -> None:
         got = signal.sigtimedwait(_SIGNALS, 0.1)
@@ -206,8 +208,9 @@ class _Supervisor:
             os.close(self.ready_r)
             self.reserved.close()
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            for sig in (signal.SIGTERM, signal.SIGCHLD):
                 signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the worker's own handler is in
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
             _die_with_parent(parent)
             worker = Worker(

@@ -24,10 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from regional_agent.settings import Settings
+from policies.model import AdminState
+from regional_agent import admin
+from regional_agent.settings import NodeSettings, Settings
 from regional_agent.workers.shared import RING, LoadShare, LoadTable
-from regional_agent.workers.siblings import decode, encode
-from tests.agent.conftest import ADMIN, ADMIN_TOKEN, SimProcess, stop_process
+from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
+from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
+from tests.conftest import NodeFactory
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the h100-llama3-8b profile's
 
@@ -153,6 +156,71 @@ def test_a_truncated_prefix_datagram_is_refused() -> None:
             decode(whole[:cut])
     with pytest.raises(OverflowError):
         encode("http://a:8000", [2**64])
+
+
+async def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_head(
+    tmp_path: Path,
+) -> None:
+    got: dict[int, list[tuple[str, tuple[int, ...]]]] = {1: [], 2: []}
+    relays = [
+        PrefixRelay(
+            directory=tmp_path,
+            worker=w,
+            workers=3,
+            on_record=lambda node, hashes, w=w: got.setdefault(w, []).append((node, hashes)),
+        )
+        for w in range(3)
+    ]
+    for relay in relays:
+        relay.start()
+    try:
+        relays[0].send("http://a:8000", list(range(5)))
+        relays[0].send("http://b:8000", list(range(MAX_HASHES + 500)))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if all(len(got[w]) == 2 for w in (1, 2)):
+                break
+    finally:
+        for relay in relays:
+            relay.close()
+    for w in (1, 2):
+        assert got[w] == [
+            ("http://a:8000", (0, 1, 2, 3, 4)),
+            ("http://b:8000", tuple(range(MAX_HASHES))),
+        ]
+    assert relays[0].dropped == 0 and relays[1].malformed == 0
+
+
+async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not_found(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """``admin.catch_up`` with a sibling's state: a static node's drain and weight are taken at
+    once; those of a node found by DNS are held until this worker's discovery adds it."""
+    handle = await start_agent([await sim_node()], policy="round_robin")
+    edge = handle.edge
+    (static,) = list(edge.pool)
+    state = {
+        "policy": "least_connections",
+        "nodes": [
+            {"id": static.node_id, "url": static.url, "source": "static", "admin": "drained",
+             "weight": 3.0, "slots": static.slots, "group": static.node_id},
+            {"id": "127.0.0.1:9", "url": "http://127.0.0.1:9", "source": "dns:vllm.example.",
+             "admin": "draining", "weight": 2.0, "slots": 64, "group": "127.0.0.1:9"},
+        ],
+    }  # fmt: skip
+    done = await admin.catch_up(edge, state)
+    assert done == [
+        f"draining {static.node_id}",
+        f"weight {static.node_id} 3",
+        "held for 127.0.0.1:9 until discovered",
+        "policy least_connections",
+    ]
+    assert static.admin is AdminState.DRAINING and static.weight == 3.0
+    found = await edge.roster.add(
+        edge.roster.make(NodeSettings(url="http://127.0.0.1:9"), source="dns:vllm.example.")
+    )
+    assert found.admin is AdminState.DRAINING and found.weight == 2.0
+    assert await admin.catch_up(edge, state) == []  # nothing left to take
 
 
 def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
@@ -383,6 +451,12 @@ async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
         reply = await client.post(f"{agent.url}/admin/nodes/{drained}/drain", headers=ADMIN)
         assert reply.status_code == 200
         assert "X-Meridian-Workers-Missed" not in reply.headers
+        for secret in (b"not the secret", "\u00fc".encode()):  # a guess, and not even ASCII
+            refused = await client.post(
+                f"{agent.url}/admin/nodes/{drained}/undrain",
+                headers={"X-Meridian-Worker-Secret": secret},  # type: ignore[dict-item]
+            )
+            assert refused.status_code == 401, refused.text
         for _ in range(10):  # each on a new connection: either worker answers
             listed = (await client.get(f"{agent.url}/admin/nodes", headers=ADMIN)).json()
             states = {n["id"]: n["admin"] for n in listed["nodes"]}
@@ -464,6 +538,12 @@ def test_sigterm_stops_every_worker_and_a_killed_supervisor_takes_them_along(
     nodes = sim_processes(1, profile="h100-llama3-8b", time_scale=50.0)
     first = agent_process(nodes, workers=2)
     workers = first.workers()
+    first.proc.send_signal(signal.SIGHUP)  # every worker reloads its keys; none dies of it
+    deadline = time.monotonic() + 20
+    while first.log_text().count("SIGHUP: reloading") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.log_text().count("SIGHUP: reloading") == 2, first.log_text()
+    assert first.workers() == workers
     first.proc.terminate()
     assert first.proc.wait(timeout=30) == 0
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
