@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import json
 import logging
@@ -112,6 +113,7 @@ class WorkerRuntime:
             on_record=self._record,
         )
         dispatcher.on_routed = self.relay.send
+        self._admin_lock = AsyncFileLock(worker.directory / "admin.lock")
 
     def start(self) -> None:
         """Bind the prefix socket; the app's Unix socket of this worker's last life goes, so
@@ -151,14 +153,21 @@ class WorkerRuntime:
 
     @web.middleware
     async def relay_admin(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """An admin change this worker made is made on its siblings too (module docstring)."""
-        response = await handler(request)
+        """An admin change this worker made is made on its siblings too (module docstring).
+        Changes are made one at a time over all workers (a lock file), so two changes that
+        arrive at two workers at once reach every worker in the same order."""
         if (
             request.method not in _MUTATING
             or not request.path.startswith("/admin/")
-            or response.status >= 300
             or from_sibling(request, self.worker.secret)  # a sibling's change: not passed on
         ):
+            return await handler(request)
+        async with self._admin_lock:
+            return await self._change(request, handler)
+
+    async def _change(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        if response.status >= 300:
             return response
         body = await request.read()
         headers = {k: request.headers[k] for k in ("Content-Type",) if k in request.headers}
@@ -271,6 +280,34 @@ class WorkerRuntime:
             elif reply[0] == 200:
                 texts[w] = reply[1].decode("utf-8")
         return merge_metrics(texts, workers=self.worker.count)
+
+
+class AsyncFileLock:
+    """``flock`` on a file, taken without blocking the event loop (tried every 5 ms)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd = -1
+        self._local = asyncio.Lock()  # this worker's own changes, one at a time
+
+    async def __aenter__(self) -> None:
+        await self._local.acquire()
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    await asyncio.sleep(0.005)
+        except BaseException:
+            self._local.release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._local.release()
 
 
 def merge_metrics(texts: dict[int, str], *, workers: int) -> bytes:
