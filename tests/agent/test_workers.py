@@ -468,6 +468,23 @@ async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
     assert agent.log_text().count("node draining") == 2  # once on each worker
     assert ADMIN_TOKEN not in agent.log_text()
 
+    # changes made at once through both workers end the same on both
+    node = nodes[1].url.removeprefix("http://")
+    async with _fresh() as client:
+        for _ in range(15):
+            await asyncio.gather(
+                *(
+                    client.post(f"{agent.url}/admin/nodes/{node}/{action}", headers=ADMIN)
+                    for action in ("drain", "undrain", "drain", "undrain")
+                )
+            )
+            seen = set()
+            for _ in range(8):
+                listed = (await client.get(f"{agent.url}/admin/nodes", headers=ADMIN)).json()
+                seen.add({n["id"]: n["admin"] for n in listed["nodes"]}[node])
+            assert len(seen) == 1, f"the workers disagree on {node}: {seen}"
+        await client.post(f"{agent.url}/admin/nodes/{node}/undrain", headers=ADMIN)
+
     # a worker killed and started again takes the drain from its sibling
     os.kill(sorted(agent.workers())[1], signal.SIGKILL)
     for _ in range(100):
