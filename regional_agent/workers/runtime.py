@@ -45,7 +45,7 @@ from regional_agent.workers.siblings import PrefixRelay
 
 log = logging.getLogger(__name__)
 
-RELAYED = "X-Meridian-Relayed"  # which worker passed a request on (for logs; the secret counts)
+RELAYED = "X-Meridian-Relayed"  # the worker that passed a request on (informational)
 SIBLING_SECRET = "X-Meridian-Worker-Secret"  # the supervisor's secret (module docstring)
 MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
 _MUTATING = frozenset({"POST", "PUT", "DELETE"})
