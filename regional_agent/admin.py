@@ -157,9 +157,33 @@ async def remove_node(request: web.Request) -> web.Response:
     return web.json_response({"removed": node.node_id, "in_flight": node.in_flight})
 
 
+def _node_or_hold(
+    agent: Edge, request: web.Request, *, drain: bool | None = None, weight: float | None = None
+) -> Node | None:
+    """The node named in the path; or, for a change a sibling worker passes on about a node
+    this worker's discovery has not found yet, None: the change is held and made when the node
+    is added (``Roster.held``)."""
+    node_id = request.match_info["node_id"]
+    if agent.pool.get(node_id) is not None or not from_sibling(request, agent.sibling_secret):
+        return _node(agent, request)
+    draining, held_weight = agent.roster.held.get(node_id, (False, 1.0))
+    agent.roster.held[node_id] = (
+        draining if drain is None else drain,
+        held_weight if weight is None else weight,
+    )
+    log.info("admin change held until the node is found node=%s path=%s", node_id, request.path)
+    return None
+
+
+def _held(request: web.Request) -> web.Response:
+    return web.json_response({"held": request.match_info["node_id"]}, status=202)
+
+
 async def drain(request: web.Request) -> web.Response:
     agent = _authorize(request)
-    node = _node(agent, request)
+    node = _node_or_hold(agent, request, drain=True)
+    if node is None:
+        return _held(request)
     if node.admin is not AdminState.DRAINING:
         node.admin = AdminState.DRAINING
         node.drain_started_s = agent.clock.now()
@@ -170,7 +194,9 @@ async def drain(request: web.Request) -> web.Response:
 
 async def undrain(request: web.Request) -> web.Response:
     agent = _authorize(request)
-    node = _node(agent, request)
+    node = _node_or_hold(agent, request, drain=False)
+    if node is None:
+        return _held(request)
     if node.admin is not AdminState.ACTIVE:
         node.admin = AdminState.ACTIVE
         node.drain_started_s = None
@@ -181,10 +207,12 @@ async def undrain(request: web.Request) -> web.Response:
 
 async def set_weight(request: web.Request) -> web.Response:
     agent = _authorize(request)
-    node = _node(agent, request)
     weight = (await _body(request)).get("weight")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
         raise BadRequest(f"'weight' must be a number > 0, got {weight!r}", param="weight")
+    node = _node_or_hold(agent, request, weight=float(weight))
+    if node is None:
+        return _held(request)
     node.weight = float(weight)
     agent.pool.notify()
     log.info("node weight node=%s weight=%g", node.node_id, node.weight)
@@ -249,6 +277,10 @@ async def catch_up(agent: Edge, state: dict[str, Any]) -> list[str]:
             done.append(f"removed {node.node_id}")
     for node_id, seen in theirs.items():
         known = agent.pool.get(node_id)
+        if known is not None and seen.get("source") == "admin" and seen.get("url") != known.url:
+            agent.roster.remove(node_id)  # removed and added again elsewhere since the start
+            done.append(f"removed {node_id} at {known.url}")
+            known = None
         if known is None:
             if seen.get("source") != "admin":  # discovered: this worker's discovery finds it
                 agent.roster.held[node_id] = (

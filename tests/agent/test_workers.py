@@ -222,6 +222,35 @@ async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not
     assert found.admin is AdminState.DRAINING and found.weight == 2.0
     assert await admin.catch_up(edge, state) == []  # nothing left to take
 
+    # a node deleted and added again at another URL since the start is added at the new one
+    moved = await edge.roster.add(
+        edge.roster.make(NodeSettings(id="gpu-7", url="http://127.0.0.1:10"), source="admin")
+    )
+    state["nodes"].append(
+        {"id": "gpu-7", "url": "http://127.0.0.1:11", "source": "admin", "admin": "active",
+         "weight": 1.0, "slots": 64, "group": "gpu-7"}
+    )  # fmt: skip
+    assert await admin.catch_up(edge, state) == [
+        "removed gpu-7 at http://127.0.0.1:10",
+        "added gpu-7",
+    ]
+    again = edge.pool.get("gpu-7")
+    assert again is not None and again is not moved and again.url == "http://127.0.0.1:11"
+
+    # a drain a sibling passes on about a node this worker has not found yet is held too
+    edge.sibling_secret = "the supervisor's secret"
+    async with httpx.AsyncClient(base_url=handle.url, trust_env=False) as client:
+        sibling = {"X-Meridian-Worker-Secret": edge.sibling_secret}
+        reply = await client.post("/admin/nodes/127.0.0.1:12/drain", headers=sibling)
+        assert reply.status_code == 202 and reply.json() == {"held": "127.0.0.1:12"}
+        reply = await client.put(
+            "/admin/nodes/127.0.0.1:12/weight", headers=sibling, json={"weight": 4}
+        )
+        assert reply.status_code == 202
+        assert edge.roster.held["127.0.0.1:12"] == (True, 4.0)
+        reply = await client.post("/admin/nodes/127.0.0.1:13/drain", headers=ADMIN)
+        assert reply.status_code == 404  # from a client, an unknown node is still unknown
+
 
 def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"workers.count = 2 with region.etcd"):
