@@ -188,8 +188,14 @@ async def test_a_three_member_cluster_with_one_member_killed_keeps_working(
         current = next(m for m in members if m.url == c.store.endpoint)
         current.process.kill()
         before = c.passes
-        await until(lambda: c.passes >= before + 3, 30, "passes after the member died")
-        assert c.election.leading
+        # leading again, not leading throughout: on a loaded host the client's move to another
+        # member can take longer than the lease TTL, and the leader then steps down and resumes
+        # on its own lease (a CI run saw it step down just after its third pass)
+        await until(
+            lambda: c.passes >= before + 3 and c.election.leading,
+            30,
+            "passes after the member died",
+        )
         h = await fleet.health("eu-west")
         assert h is not None and h.state == "healthy"
 
