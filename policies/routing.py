@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Final, Protocol
 
+from policies.kv_index import PreciseIndex
 from policies.model import Decision, Health, NodeId, NodeView, NodeViews, RequestView
 from policies.prefix_index import PrefixIndex
 
@@ -101,6 +102,11 @@ class RoutingConfig:
     many entries per distinct prompt head."""
     prefix_ttl_s: float = 120.0
     """A node's claim on a block older than this is ignored (peers evict every 60-120 s)."""
+    precise_pending_s: float = 2.0
+    """On a node whose KV events feed the precise index (:func:`attach_precise`), a prompt the
+    agent routed there counts as cached for this long before the engine's events say so: the
+    events of a prompt come when its prefill is done, and a second request for the same prefix
+    in between should follow the first, not miss it.  0: only the events count."""
 
     # load guard (prefix_aware)
     balance_abs_threshold_requests: int = 16
@@ -220,6 +226,15 @@ class Policy(Protocol):
     def forget_node(self, node: NodeId) -> None:
         """``node`` left the pool: drop what the policy knows of it."""
         ...
+
+
+def attach_precise(policy: Policy, index: PreciseIndex) -> bool:
+    """Let ``policy`` match prefixes in ``index`` for the nodes whose KV events feed it; False
+    when the policy keeps no prefix index (it routes as before)."""
+    if isinstance(policy, _Indexed):
+        policy.attach_precise(index)
+        return True
+    return False
 
 
 def create(name: str, config: RoutingConfig) -> Policy:
@@ -680,7 +695,8 @@ def _hash64(text: str) -> int:
 
 
 class _Indexed(_Base):
-    """A policy that learns where prompts went in a :class:`PrefixIndex`."""
+    """A policy that learns where prompts went in a :class:`PrefixIndex`, and with a
+    :class:`PreciseIndex` attached asks it for the nodes whose engines report their blocks."""
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
@@ -690,18 +706,53 @@ class _Indexed(_Base):
             stride_blocks=config.prefix_stride_blocks,
             dense_head_blocks=config.prefix_dense_head_blocks,
         )
+        self._precise: PreciseIndex | None = None
+        self._pending: PrefixIndex | None = None
+
+    def attach_precise(self, index: PreciseIndex) -> None:
+        """Match the nodes ``index`` calls precise there (their engines' KV events), and every
+        other node in the approximate index."""
+        self._precise = index
+        if self._config.precise_pending_s > 0:
+            self._pending = PrefixIndex(
+                capacity_blocks=self._config.prefix_capacity_blocks,
+                ttl_s=self._config.precise_pending_s,
+                stride_blocks=self._config.prefix_stride_blocks,
+                dense_head_blocks=self._config.prefix_dense_head_blocks,
+            )
 
     def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
         self._index.insert(request.block_hashes, node, now=now)
+        if self._pending is not None:
+            self._pending.insert(request.block_hashes, node, now=now)
 
     def forget_node(self, node: NodeId) -> None:
         self._index.remove_node(node)
+        if self._pending is not None:
+            self._pending.remove_node(node)
+
+    def _match(self, hashes: Sequence[int], now: float) -> dict[NodeId, int]:
+        """Leading blocks of ``hashes`` each node holds: from the precise index for its precise
+        nodes (or the prompts routed there within ``precise_pending_s``, whichever is deeper),
+        from the approximate index for the others."""
+        matched = self._index.match(hashes, now=now)
+        precise = self._precise
+        if precise is None or not precise.any_precise:
+            return matched
+        mixed = {n: d for n, d in matched.items() if not precise.is_precise(n)}
+        exact = precise.match(hashes)
+        if self._pending is not None:
+            for n, d in self._pending.match(hashes, now=now).items():
+                if precise.is_precise(n) and d > exact.get(n, 0):
+                    exact[n] = d
+        mixed.update(exact)
+        return mixed
 
     def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:
         """Leading cached blocks of the request's prompt on each candidate."""
         if not request.block_hashes:
             return [0] * len(ready)
-        matched = self._index.match(request.block_hashes, now=now)
+        matched = self._match(request.block_hashes, now)
         return [matched.get(n.node_id, 0) for n in ready]
 
 
@@ -816,7 +867,7 @@ class _Meridian(_Indexed):
         trial = self._trials.pick([n for n in on_probation if n.has_slot])
         if trial is not None:
             return trial
-        matched = self._index.match(request.block_hashes, now=now) if request.block_hashes else {}
+        matched = self._match(request.block_hashes, now) if request.block_hashes else {}
         holders = (
             matched
             if len(matched) <= limit
