@@ -21,6 +21,7 @@ from pathlib import Path
 
 from meridian_service import hygiene, loops, serving, version
 from meridian_sim import fleet, node, profile, tracing, workloads
+from meridian_sim.kv_publisher import KvEventsConfig
 from policies import routing
 
 log = logging.getLogger("meridian.sim")
@@ -107,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="export an llm_request span per request over OTLP, as vLLM's flag does: "
         "http://collector:4318/v1/traces (http/protobuf, the default) or "
         "http://collector:4317 with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc",
+    )
+    n.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help="publish KV-cache events as vLLM's flag of that name does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (tcp://127.0.0.1:* binds a free port; the log '
+        "line names it)",
     )
     n.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub.add_parser("profiles", help="list the built-in GPU profiles")
@@ -204,6 +213,13 @@ async def _serve(config: node.NodeConfig, host: str, port: int) -> None:
             "num_gpu_blocks=%d time_scale=%g",
             host, bound, config.model, p.name, p.block_size, p.num_gpu_blocks, config.time_scale,
         )  # fmt: skip
+        publisher = app[node.STATE].kv_publisher
+        if publisher is not None:
+            log.info(
+                "meridian-sim kv events endpoint=%s replay_endpoint=%s",
+                publisher.endpoint,
+                publisher.replay_endpoint,
+            )
 
     app = node.create_app(config, exit_hook=exit_now)
     # vLLM's server (uvicorn) closes no kept-alive connection after a number of requests: the
@@ -299,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         protocol = tracing.protocol_from_env()
         if args.otlp_traces_endpoint is not None:
             tracing.check_endpoint(args.otlp_traces_endpoint)
+        kv = None
+        if args.kv_events_config is not None:
+            kv = KvEventsConfig.parse(args.kv_events_config)
     except ValueError as exc:
         print(f"meridian-sim: {exc}", file=sys.stderr)
         return 2
@@ -310,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         legacy_metrics=args.legacy_metrics,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_protocol=protocol,
+        kv_events=kv,
     )
     try:
         loops.run(_serve(config, args.host, args.port))

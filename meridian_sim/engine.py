@@ -171,12 +171,38 @@ class EngineStats:
     )
 
 
-class KVCache:
-    """Fixed-size paged KV cache with hash-addressed prefix reuse and LRU eviction."""
+@dataclass(frozen=True, slots=True)
+class CacheStored:
+    """Blocks the cache registered, in prompt order (vLLM's ``BlockStored``): their hashes,
+    the hash of the block before the first (``None``: the prompt's first block), and the
+    ``block_size`` token ids of each."""
 
-    def __init__(self, *, num_blocks: int, block_size: int) -> None:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRemoved:
+    """Blocks the cache evicted (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+CacheEvent = CacheStored | CacheRemoved
+
+
+class KVCache:
+    """Fixed-size paged KV cache with hash-addressed prefix reuse and LRU eviction.
+
+    With ``record_events`` it keeps what it stored and evicted, in order, in :attr:`events`
+    (the caller takes and clears them: the node publishes them as vLLM's KV events).
+    """
+
+    def __init__(self, *, num_blocks: int, block_size: int, record_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.events: list[CacheEvent] | None = [] if record_events else None
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
@@ -215,14 +241,18 @@ class KVCache:
         if n > len(self._free):
             return None
         out: list[int] = []
+        evicted: list[int] = []
         for _ in range(n):
             b, _none = self._free.popitem(last=False)
             old = self._hash_of[b]
             if old is not None:  # evict the cached contents
                 del self._by_hash[old]
                 self._hash_of[b] = None
+                evicted.append(old)
             self._ref[b] = 1
             out.append(b)
+        if evicted and self.events is not None:
+            self.events.append(CacheRemoved(tuple(evicted)))
         return out
 
     def free(self, blocks: list[int]) -> None:
@@ -231,25 +261,37 @@ class KVCache:
             if self._ref[b] == 0:
                 self._free[b] = None
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: int) -> bool:
+        """Cache ``block`` under ``block_hash``; False when either is taken already."""
         if block_hash in self._by_hash or self._hash_of[block] is not None:
-            return
+            return False
         self._by_hash[block_hash] = block
         self._hash_of[block] = block_hash
+        return True
 
     def reset_prefix_cache(self) -> None:
+        dropped: list[int] = []
         for h, b in list(self._by_hash.items()):
             if self._ref[b] == 0:
                 del self._by_hash[h]
                 self._hash_of[b] = None
+                dropped.append(h)
+        if dropped and self.events is not None:
+            self.events.append(CacheRemoved(tuple(dropped)))
 
 
 class Engine:
     """One simulated vLLM engine.  Not thread-safe; drive it from one task."""
 
-    def __init__(self, profile: Profile, *, rng: random.Random) -> None:
+    def __init__(
+        self, profile: Profile, *, rng: random.Random, record_events: bool = False
+    ) -> None:
         self.profile = profile
-        self.kv = KVCache(num_blocks=profile.num_gpu_blocks, block_size=profile.block_size)
+        self.kv = KVCache(
+            num_blocks=profile.num_gpu_blocks,
+            block_size=profile.block_size,
+            record_events=record_events,
+        )
         self.stats = EngineStats()
         self._rng = rng
         self._waiting: deque[_Request] = deque()
@@ -349,6 +391,16 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    def take_events(self) -> list[CacheEvent]:
+        """What the cache stored and evicted since the last call (``record_events``), oldest
+        first; empty without it."""
+        events = self.kv.events
+        if not events:
+            return []
+        taken = list(events)
+        events.clear()
+        return taken
 
     # -- the step --------------------------------------------------------------------------
 
@@ -524,9 +576,30 @@ class Engine:
             req.block_hashes.append(prompt.hash_block(block, parent=parent))
 
     def _register_full_blocks(self, req: _Request) -> None:
-        full = min(req.num_computed_tokens // self.kv.block_size, len(req.block_hashes))
-        for j in range(req.num_registered_blocks, full):
-            self.kv.register(req.block_ids[j], req.block_hashes[j])
+        kv = self.kv
+        full = min(req.num_computed_tokens // kv.block_size, len(req.block_hashes))
+        if kv.events is None:
+            for j in range(req.num_registered_blocks, full):
+                kv.register(req.block_ids[j], req.block_hashes[j])
+        else:  # one event per run of newly cached blocks, as vLLM's BlockStored
+            run: list[int] = []
+            for j in range(req.num_registered_blocks, full + 1):
+                if j < full and kv.register(req.block_ids[j], req.block_hashes[j]):
+                    run.append(j)
+                    continue
+                if run:
+                    bs = kv.block_size
+                    first, last = run[0], run[-1]
+                    kv.events.append(
+                        CacheStored(
+                            block_hashes=tuple(req.block_hashes[first : last + 1]),
+                            parent_block_hash=req.block_hashes[first - 1] if first else None,
+                            token_ids=tuple(
+                                req.token_at(t) for t in range(first * bs, (last + 1) * bs)
+                            ),
+                        )
+                    )
+                    run = []
         req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     def _finish(self, req: _Request, reason: str, now: float) -> RequestRecord:

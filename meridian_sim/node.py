@@ -31,6 +31,7 @@ from opentelemetry.trace import Span
 
 from meridian_sim.engine import Engine, RequestRecord, RequestTooLarge, TokenEvent
 from meridian_sim.faults import FaultError, Faults
+from meridian_sim.kv_publisher import KvEventsConfig, Publisher, to_wire
 from meridian_sim.metrics import CONTENT_TYPE, NodeMetrics
 from meridian_sim.profile import Profile
 from meridian_sim.tracing import NodeTracing
@@ -60,6 +61,8 @@ class NodeConfig:
     # OTLP tracing as vLLM's --otlp-traces-endpoint (meridian_sim.tracing); None: no spans
     otlp_traces_endpoint: str | None = None
     otlp_traces_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    # KV-cache events as vLLM's --kv-events-config (meridian_sim.kv_publisher); None: none
+    kv_events: KvEventsConfig | None = None
 
 
 class ApiError(Exception):
@@ -104,6 +107,7 @@ class NodeState:
     faults: Faults
     exit_hook: Callable[[], None]
     tracing: NodeTracing | None = None
+    kv_publisher: Publisher | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     streams: dict[str, asyncio.Queue[TokenEvent | RequestRecord]] = field(default_factory=dict)
     steps: int = 0
@@ -135,7 +139,9 @@ def create_app(
     """The node's aiohttp application; the engine task starts and stops with it."""
     if config.time_scale <= 0:
         raise ValueError("time_scale must be positive")
-    engine = Engine(config.profile, rng=random.Random(config.seed))
+    engine = Engine(
+        config.profile, rng=random.Random(config.seed), record_events=config.kv_events is not None
+    )
     clock = SimClock(config.time_scale)
     state = NodeState(
         config=config,
@@ -176,12 +182,23 @@ def create_app(
 
 async def _engine_task(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
+    replay: asyncio.Task[None] | None = None
+    if state.config.kv_events is not None:
+        state.kv_publisher = Publisher(state.config.kv_events)
+        replay = asyncio.create_task(
+            state.kv_publisher.serve_replay(), name="meridian-sim-kv-replay"
+        )
+        replay.add_done_callback(_log_crash)
     task = asyncio.create_task(_run_engine(state), name="meridian-sim-engine")
     task.add_done_callback(_log_crash)
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for running in (task, replay):
+        if running is not None:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+    if state.kv_publisher is not None:
+        state.kv_publisher.close()
     if state.tracing is not None:
         await asyncio.to_thread(state.tracing.shutdown)  # the last spans: off the event loop
 
@@ -214,6 +231,7 @@ async def _run_engine(state: NodeState) -> None:
         await asyncio.sleep(max(0.0, (state.engine_time - clock.now()) / clock.time_scale))
         state.steps += 1
         state.metrics.observe_step(result)
+        await _publish_events(state)
         for event in result.tokens:
             queue = state.streams.get(event.request_id)
             if queue is not None:
@@ -223,6 +241,16 @@ async def _run_engine(state: NodeState) -> None:
             queue = state.streams.get(record.request_id)
             if queue is not None:
                 queue.put_nowait(record)
+
+
+async def _publish_events(state: NodeState) -> None:
+    """What the step (or a reset) changed in the cache, as one batch of KV events."""
+    publisher = state.kv_publisher
+    if publisher is None:
+        return
+    events = state.engine.take_events()
+    if events:
+        await publisher.publish(to_wire(events, block_size=state.engine.kv.block_size))
 
 
 # -- middleware and small endpoints ------------------------------------------------------------
@@ -275,7 +303,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    request.app[STATE].engine.reset_prefix_cache()
+    state = request.app[STATE]
+    state.engine.reset_prefix_cache()
+    await _publish_events(state)
     return web.Response(status=200)
 
 

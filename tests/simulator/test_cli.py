@@ -9,6 +9,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import zmq
+
+from meridian_wire import kv_events
 
 SIM = [sys.executable, "-m", "meridian_sim.cli"]
 
@@ -115,3 +118,76 @@ def test_port_in_use_is_a_clear_error(h100_node: tuple[subprocess.Popen[str], st
     )
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("{not json", "--kv-events-config is not JSON"),
+        ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown field(s) endpont"),
+        ('{"enable_kv_cache_events": true, "publisher": "nats"}', "only 'zmq' is served"),
+        ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps must be a positive"),
+    ],
+)
+def test_a_bad_kv_events_config_is_a_clear_error(config: str, says: str) -> None:
+    done = subprocess.run(
+        [*SIM, "node", "--port", "0", "--profile", "cpu-tiny", "--kv-events-config", config],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert says in done.stderr
+
+
+def test_a_node_with_kv_events_publishes_what_it_caches() -> None:
+    """The process as an operator starts it: the log names the bound endpoints, a subscriber
+    there gets vLLM's messages for the blocks a request cached."""
+    config = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+    )
+    proc = subprocess.Popen(
+        [*SIM, "node", "--port", "0", "--profile", "h100-llama3-8b", "--time-scale", "50",
+         "--kv-events-config", config],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    ctx = zmq.Context()
+    try:
+        url = proc.stdout.readline().split()[1]
+        endpoint = replay = ""
+        for line in proc.stderr:
+            if "kv events endpoint=" in line:
+                fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+                endpoint, replay = fields["endpoint"], fields["replay_endpoint"]
+                break
+        assert endpoint.startswith("tcp://127.0.0.1:") and replay.startswith("tcp://127.0.0.1:")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        prompt = " ".join(f"word{i}" for i in range(200))
+        body = {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "prompt": prompt, "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        dealer = ctx.socket(zmq.DEALER)  # the replay: the batch sent before the subscription
+        dealer.connect(replay)
+        dealer.send_multipart([b"", kv_events.encode_seq(0)])
+        batches = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            frames = dealer.recv_multipart()[1:]
+            seq, payload = kv_events.replay_frames(frames)
+            if seq < 0:
+                break
+            batches.append(kv_events.decode_batch(payload))
+        stored = [e for b in batches for e in b.events if isinstance(e, kv_events.BlockStored)]
+        assert stored and stored[0].parent_block_hash is None and stored[0].block_size == 16
+        assert len(stored[0].token_ids) == 16 * len(stored[0].block_hashes)
+    finally:
+        ctx.destroy(linger=0)
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
