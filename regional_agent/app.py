@@ -41,7 +41,8 @@ from meridian_service.clock import Clock, MonotonicClock
 from policies import admission, routing
 from policies.group_routing import GroupPolicy
 from policies.groups import GroupId
-from policies.model import AdminState
+from policies.kv_index import PreciseIndex
+from policies.model import AdminState, NodeId
 from regional_agent import admin, autoscaler
 from regional_agent.autoscaler import Autoscaler
 from regional_agent.discovery import Discovery
@@ -56,6 +57,8 @@ from regional_agent.errors import (
 )
 from regional_agent.group_routing import GroupTables
 from regional_agent.health import HealthMonitor
+from regional_agent.kv_events import Endpoints, KvEvents
+from regional_agent.kv_events import subscriber as kv_events_subscriber
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.prompts import Prompts
@@ -79,6 +82,7 @@ PUBLISHER = web.AppKey("publisher", Publisher)
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
 DISCOVERY = web.AppKey("discovery", Discovery)
 WORKERS = web.AppKey("workers", WorkerRuntime)
+KV_EVENTS = web.AppKey("kv_events", KvEvents)
 _RNG = web.AppKey("rng", random.Random)  # the background loops' backoff jitter
 
 
@@ -215,6 +219,16 @@ def create_app(
             tables=group_tables,
             on_replicas=edge.tenants.set_replicas,
         )
+    kv = _kv_events(settings, pool=pool, policy=policy, clock=clock)
+    if kv is not None:
+        app[KV_EVENTS] = kv
+        instruments.watch_kv_events(
+            kv.counts,
+            event_kinds=kv_events_subscriber.EVENT_KINDS,
+            nodes=lambda: {
+                n: (kv.index.is_precise(n), kv.index.blocks(n)) for n in kv.subscriptions
+            },
+        )
     app[_RNG] = random.Random(rng.random())
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -225,6 +239,30 @@ def create_app(
     admin.add_routes(app)
     app.cleanup_ctx.append(_background)
     return app
+
+
+def _kv_events(
+    settings: Settings, *, pool: NodePool, policy: routing.Policy, clock: Clock
+) -> KvEvents | None:
+    """The KV-event subscriptions and the precise index they feed, when any node publishes."""
+    per_node = {
+        NodeId(n.node_id): Endpoints(n.kv_events_endpoint, n.kv_events_replay_endpoint)
+        for n in settings.nodes
+        if n.kv_events_endpoint is not None
+    }
+    if settings.kv_events.endpoint is None and not per_node:
+        return None
+    index = PreciseIndex(
+        capacity_blocks=settings.kv_events.capacity_blocks,
+        block_size=settings.routing.prefix_block_tokens,
+    )
+    if not routing.attach_precise(policy, index):
+        log.warning(
+            "kv_events is configured but routing.policy %r keeps no prefix index: the events "
+            "are followed and counted, and routing ignores them (use meridian or prefix_aware)",
+            settings.routing.policy,
+        )
+    return KvEvents(settings.kv_events, pool=pool, index=index, clock=clock, per_node=per_node)
 
 
 # -- probes of the agent itself ------------------------------------------------------------------
@@ -322,6 +360,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         _spawn("models", edge.roster.models_loop(interval_s=settings.telemetry.models_refresh_s)),
         _spawn("drain", _drain_loop(edge)),
     ]
+    kv = app.get(KV_EVENTS)
+    if kv is not None:
+        tasks.append(_spawn("kv-events", kv.run()))
     runtime = app.get(WORKERS)
     if runtime is not None:
         runtime.start()

@@ -424,6 +424,66 @@ class Instruments:
                 self._traces.add_span_processor(self.export.span_processor)
             self.tracer = self._traces.get_tracer("meridian.agent")
 
+    def watch_kv_events(
+        self,
+        counts: Mapping[tuple[str, str], int],
+        *,
+        event_kinds: Sequence[str],
+        nodes: Callable[[], Mapping[str, tuple[bool, int]]],
+    ) -> None:
+        """The KV-event subscriptions' metrics: ``counts`` by (node, kind), event kinds (in
+        ``event_kinds``) in one counter and the rest (errors) in another; ``nodes`` gives each
+        subscribed node's (in sync, blocks held)."""
+        meter = self._meters.get_meter("meridian.agent.kv_events")
+        events = frozenset(event_kinds)
+
+        def events_cb(_: CallbackOptions) -> Iterable[Observation]:
+            return [
+                Observation(v, {"node": node, "kind": kind})
+                for (node, kind), v in list(counts.items())
+                if kind in events
+            ]
+
+        def errors_cb(_: CallbackOptions) -> Iterable[Observation]:
+            return [
+                Observation(v, {"node": node, "kind": kind})
+                for (node, kind), v in list(counts.items())
+                if kind not in events
+            ]
+
+        meter.create_observable_counter(
+            "meridian_agent_kv_events",
+            callbacks=[events_cb],
+            description="KV-cache events applied to the precise prefix index, by node and kind "
+            "(stored, removed, cleared; ignored: another medium, KV group or a LoRA adapter).",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_kv_event_errors",
+            callbacks=[errors_cb],
+            description="KV-event trouble by node and kind: malformed (skipped), refused (a "
+            "block size other than routing.prefix_block_tokens), unkeyed (blocks whose parent "
+            "was never seen), gap (lost batches), resync_cleared (a node's blocks dropped on a "
+            "restart or an unrecoverable gap), replay_timeout.",
+        )
+
+        def precise_cb(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(1 if p else 0, {"node": n}) for n, (p, _b) in nodes().items()]
+
+        def blocks_cb(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(b, {"node": n}) for n, (_p, b) in nodes().items()]
+
+        meter.create_observable_gauge(
+            "meridian_agent_kv_events_in_sync",
+            callbacks=[precise_cb],
+            description="1 while the node's KV events are in sync and route it by the precise "
+            "index, 0 while it is routed by the approximate one.",
+        )
+        meter.create_observable_gauge(
+            "meridian_agent_kv_index_blocks",
+            callbacks=[blocks_cb],
+            description="Blocks the node's engine holds according to its KV events.",
+        )
+
     def count_request(self, *, node: str, status: int) -> None:
         self._requests[(node, str(status))] += 1
         totals = self.totals

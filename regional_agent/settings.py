@@ -156,6 +156,32 @@ class NodeSettings(_Group):
         description="GPU group (server, NVLink domain) for the groups policy; default: the node id",
     )
 
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="this node's KV-event PUB socket, e.g. tcp://10.0.0.5:5557 (vLLM's "
+        "--kv-events-config endpoint); default: kv_events.endpoint on the node's host, if set",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description="this node's KV-event replay socket, e.g. tcp://10.0.0.5:5558; with "
+        "kv_events_endpoint only: none, so a gap clears the node's blocks",
+    )
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not _ZMQ_ENDPOINT.match(value):
+            raise ValueError(
+                f"{value!r} is not a ZeroMQ endpoint to connect to: tcp://HOST:PORT or ipc://PATH"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> NodeSettings:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint is set without kv_events_endpoint")
+        return self
+
     @field_validator("group")
     @classmethod
     def _group_id(cls, value: str | None) -> str | None:
@@ -762,6 +788,7 @@ _REGION_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as meridian_wire.models
 _RESIDENCY_TAG = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as meridian_wire.models.RESIDENCY_TAG
 _AGENT_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as meridian_wire.keys.AGENT_ID
 _GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,62}$")
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}|ipc://.+)$")
 
 
 def _url(value: str, *, schemes: tuple[str, ...]) -> str:
@@ -1097,6 +1124,78 @@ class DiscoverySettings(_Group):
         return self
 
 
+class KvEventsSettings(_Group):
+    """The nodes' KV-cache events (vLLM's ``--kv-events-config``; docs/agent.md "KV events"):
+    where they are published, and the precise prefix index they feed."""
+
+    endpoint: str | None = Field(
+        None,
+        description="the KV-event PUB socket of every node, a template on the node's host, "
+        "e.g. tcp://{host}:5557; a node's own nodes[].kv_events_endpoint wins; none: only the "
+        "nodes with their own endpoint publish, the rest are routed by the approximate index",
+    )
+    replay_endpoint: str | None = Field(
+        None,
+        description="the replay socket of every node, e.g. tcp://{host}:5558: after a gap or a "
+        "reconnect the agent asks it for what it missed; none: a gap clears the node's blocks",
+    )
+    topic: str = Field(
+        "", description="the topic subscribed to (vLLM's kv-events topic); default all"
+    )
+    # 400k entries, about 100 MiB (policies.kv_index.ENTRY_BYTES): every block of 14 H100s'
+    # caches with Llama-3-8B (28k 16-token blocks each); past it the fullest node loses its
+    # least recently stored blocks, so a burst of events is bounded, never the agent's memory
+    capacity_blocks: int = Field(
+        400_000,
+        ge=1,
+        description="most (node, block) entries the precise index keeps, about 260 bytes each "
+        "(100 MiB at the default); over it, the node holding most loses its least recently "
+        "stored blocks; default 400000",
+    )
+    replay_timeout_s: float = Field(
+        2.0, gt=0, description="how long a replay socket may take between two replies, seconds"
+    )
+    retry_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds between retries of a replay that did not answer, and between two "
+        "warnings about one node's endpoint (unreachable, malformed events)",
+    )
+    reconcile_interval_s: float = Field(
+        1.0, gt=0, description="seconds between checks for nodes that joined or left the pool"
+    )
+    receive_hwm: int = Field(
+        100_000,
+        ge=1,
+        description="batches queued per node before the agent's socket drops them (a gap, "
+        "resynced by replay); vLLM's own PUB high-water mark is 100000",
+    )
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            sample = value.format(host="10.0.0.5")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"{value!r}: the only placeholder is {{host}}, the node's host ({exc!r})"
+            ) from exc
+        if not _ZMQ_ENDPOINT.match(sample):
+            raise ValueError(
+                f"{value!r} is not a ZeroMQ endpoint to connect to: tcp://{{host}}:PORT or "
+                "ipc://PATH"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> KvEventsSettings:
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("replay_endpoint is set without endpoint")
+        return self
+
+
 _MAX_WORKERS = 256
 
 
@@ -1162,6 +1261,7 @@ class Settings(BaseSettings):
     group_tables: GroupTableSettings = GroupTableSettings()
     autoscaler: AutoscalerSettings = AutoscalerSettings()
     workers: WorkersSettings = WorkersSettings()
+    kv_events: KvEventsSettings = KvEventsSettings()
 
     @model_validator(mode="after")
     def _one_owner(self) -> Settings:
