@@ -5,7 +5,8 @@ vllm_install  session   the venv and tiny model from ``make real-vllm``; fails (
 vllm_nodes    session   two vLLM OpenAI servers, started in parallel once for the whole run,
                         each pinned to its own core; stopped with all their children at the end
                         (with ``--enable-log-requests``: vLLM logs each abort there; and
-                        ``--trust-request-chat-template``: /tokenize takes a request's template)
+                        ``--trust-request-chat-template``: /tokenize takes a request's template;
+                        and KV-cache events on Unix sockets: ``server.kv_events``)
 vllm_extra    function  a factory of further servers that a test may kill:
                         ``server = vllm_extra(cpu="1")``; stopped after the test
 """
@@ -38,7 +39,7 @@ def vllm_nodes(
 ) -> Iterator[list[VllmServer]]:
     workdir = tmp_path_factory.mktemp("vllm")
     with vllm.serve(
-        vllm_install, workdir=workdir, cpus=["0", "1"], extra_args=SESSION_ARGS
+        vllm_install, workdir=workdir, cpus=["0", "1"], extra_args=SESSION_ARGS, kv_events=True
     ) as servers:
         yield servers
 

@@ -71,6 +71,8 @@ class VllmServer:
     url: str
     cpu: str
     process: ServerProcess
+    kv_events: str | None = None  # its KV-event PUB endpoint (``launch(kv_events=True)``)
+    kv_replay: str | None = None  # and its replay endpoint
 
     def stop(self) -> None:
         self.process.stop(grace_s=10.0)
@@ -91,10 +93,24 @@ def launch(
     cpu: str,
     name: str = "vllm",
     extra_args: Sequence[str] = (),
+    kv_events: bool = False,
 ) -> VllmServer:
-    """Start one server on a free port; :func:`wait_ready` waits for it."""
+    """Start one server on a free port; :func:`wait_ready` waits for it.  With ``kv_events``
+    it publishes its KV-cache events on Unix sockets in ``workdir`` (ipc://, so nothing
+    listens beyond this machine: vLLM binds a tcp:// endpoint only on every interface)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    events = replay = None
+    if kv_events:
+        events = f"ipc://{workdir}/{name}-{port}-events.sock"
+        replay = f"ipc://{workdir}/{name}-{port}-replay.sock"
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": events,
+            "replay_endpoint": replay,
+        }
+        extra_args = [*extra_args, "--kv-events-config", json.dumps(config)]
     env = dict(os.environ)
     env.update(
         {
@@ -129,7 +145,9 @@ def launch(
         *extra_args,
     ]
     process = ServerProcess(argv, log_path=workdir / f"{name}-{port}.log", env=env)
-    return VllmServer(url=f"http://127.0.0.1:{port}", cpu=cpu, process=process)
+    return VllmServer(
+        url=f"http://127.0.0.1:{port}", cpu=cpu, process=process, kv_events=events, kv_replay=replay
+    )
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -176,6 +194,7 @@ def serve(
     cpus: Sequence[str],
     extra_args: Sequence[str] = (),
     attempts: int = 3,
+    kv_events: bool = False,
 ) -> Iterator[list[VllmServer]]:
     """Start one server per entry of ``cpus`` (all at once), wait until all are ready, yield
     them, and stop every process group on exit. A start that lost its port is retried."""
@@ -183,7 +202,14 @@ def serve(
     try:
         for i, cpu in enumerate(cpus):
             servers.append(
-                launch(install, workdir=workdir, cpu=cpu, name=f"vllm{i}", extra_args=extra_args)
+                launch(
+                    install,
+                    workdir=workdir,
+                    cpu=cpu,
+                    name=f"vllm{i}",
+                    extra_args=extra_args,
+                    kv_events=kv_events,
+                )
             )
         for attempt in range(attempts):
             try:
@@ -201,6 +227,7 @@ def serve(
                             cpu=server.cpu,
                             name=f"vllm{i}",
                             extra_args=extra_args,
+                            kv_events=kv_events,
                         )
         yield servers
     finally:
