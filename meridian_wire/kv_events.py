@@ -13,7 +13,7 @@ publishes on a ZeroMQ PUB socket one multipart message per engine step that chan
     [topic, seq (8 bytes, big-endian), msgpack(EventBatch)]
 
 and answers on a ROUTER socket a request ``[b"", start seq (8 bytes, big-endian)]`` with every
-buffered ``[b"", seq, payload]`` from ``start`` on, then ``[b"", END_SEQ, b""]``.
+buffered batch from ``start`` on, then an end marker (the frames below).
 
 Three encodings exist, and :func:`decode_batch` reads each: vLLM releases before late 2025 encode
 the batch and its events ``array_like`` (a batch is ``[ts, [event, ...]]`` and an event
@@ -175,6 +175,8 @@ def decode_batch(payload: bytes) -> EventBatch:
                     raise KvEventError(f"not a KV-event batch: {pinned}") from pinned
     except msgspec.DecodeError as exc:  # ValidationError is one
         raise KvEventError(f"not a KV-event batch: {exc}") from exc
+    except RecursionError as exc:  # msgspec's answer to arrays nested thousands deep
+        raise KvEventError("not a KV-event batch: nested too deep") from exc
     raise KvEventError(
         "not a KV-event batch: a msgpack batch starts with a map or an array, "
         f"got byte 0x{first:02x}"

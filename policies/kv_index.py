@@ -32,10 +32,15 @@ from typing import Final
 from policies import prompt
 from policies.model import NodeId
 
-ENTRY_BYTES: Final = 260
+ENTRY_BYTES: Final = 300
 """About what one (node, block) entry costs in CPython 3.11: its slot in the node's ordered
-dict with the engine hash and the agent's hash, and the node's place in the block's holder set
-(measured with tracemalloc, tests/policies/test_kv_index.py)."""
+dict with the engine's 32-byte hash and the agent's hash, and the node's count in the block's
+holders (281 bytes measured with tracemalloc, tests/policies/test_kv_index.py)."""
+
+
+class BlockSizeMismatch(ValueError):
+    """The engine's blocks are of another size than the agent hashes; the message names the
+    setting to change."""
 
 
 class PreciseIndex:
@@ -52,7 +57,9 @@ class PreciseIndex:
         self._block_size = block_size
         # per node: engine hash -> agent hash, least recently stored first
         self._by_node: dict[NodeId, OrderedDict[Hashable, int]] = {}
-        self._holders: dict[int, set[NodeId]] = {}
+        # agent hash -> node -> how many of the node's engine blocks have that key (two engine
+        # hashes can share one: vLLM's also cover what the token ids do not, e.g. a salt)
+        self._holders: dict[int, dict[NodeId, int]] = {}
         self._precise: set[NodeId] = set()
         self._size = 0
 
@@ -132,7 +139,7 @@ class PreciseIndex:
         not ``len(hashes) * block_size`` long.
         """
         if block_size != self._block_size:
-            raise ValueError(
+            raise BlockSizeMismatch(
                 f"the engine's blocks are {block_size} tokens, the agent hashes "
                 f"{self._block_size}-token blocks: set routing.prefix_block_tokens to {block_size}"
             )
@@ -151,7 +158,10 @@ class PreciseIndex:
             our_parent = mine.get(parent)
             if our_parent is None:
                 return 0
-        keys = prompt.block_hashes(token_ids, block_size=block_size, parent=our_parent)
+        try:
+            keys = prompt.block_hashes(token_ids, block_size=block_size, parent=our_parent)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in 0..2**32-1: {exc}") from exc
         holders = self._holders
         for engine_hash, key in zip(hashes, keys, strict=True):
             old = mine.get(engine_hash)
@@ -165,9 +175,31 @@ class PreciseIndex:
             mine[engine_hash] = key
             found = holders.get(key)
             if found is None:
-                holders[key] = {node}
+                holders[key] = {node: 1}
             else:
-                found.add(node)
+                found[node] = found.get(node, 0) + 1
+        if self._size > self._capacity:
+            self._trim()
+        return len(keys)
+
+    def stored_keys(self, node: NodeId, keys: Sequence[int]) -> int:
+        """``node``'s engine stored blocks it names by the agent's own hashes (an engine that
+        hashes as the agent does: the fleet simulator's); returns how many."""
+        mine = self._by_node.get(node)
+        if mine is None:
+            mine = self._by_node[node] = OrderedDict()
+        holders = self._holders
+        for key in keys:
+            if key in mine:
+                mine.move_to_end(key)
+                continue
+            self._size += 1
+            mine[key] = key
+            found = holders.get(key)
+            if found is None:
+                holders[key] = {node: 1}
+            else:
+                found[node] = found.get(node, 0) + 1
         if self._size > self._capacity:
             self._trim()
         return len(keys)
@@ -213,17 +245,17 @@ class PreciseIndex:
         first = holders.get(hashes[0])
         if first is None:
             return {}
-        alive = first & self._precise
+        alive = first.keys() & self._precise
         matched: dict[NodeId, int] = {}
         depth = 1  # leading blocks every node in alive holds
         while depth < len(hashes):
             found = holders.get(hashes[depth])
             if found is None:
                 break
-            if not alive <= found:
-                for n in alive - found:
+            if not alive <= found.keys():
+                for n in alive - found.keys():
                     matched[n] = depth
-                alive &= found
+                alive &= found.keys()
                 if not alive:
                     break
             depth += 1
@@ -235,10 +267,15 @@ class PreciseIndex:
 
     def _drop_holder(self, key: int, node: NodeId) -> None:
         found = self._holders.get(key)
-        if found is not None:
-            found.discard(node)
-            if not found:
-                del self._holders[key]
+        if found is None:
+            return
+        left = found.get(node, 0) - 1
+        if left > 0:
+            found[node] = left
+            return
+        found.pop(node, None)
+        if not found:
+            del self._holders[key]
 
     def _trim(self) -> None:
         """Over capacity: the biggest node gives up its least recently stored blocks."""

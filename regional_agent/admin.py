@@ -110,6 +110,7 @@ def describe(agent: Edge, node: Node) -> dict[str, Any]:
         "health": agent.health.describe(node.node_id, now=now),
         "telemetry": agent.scraper.describe(node.node_id),
         "recent_decisions": list(node.decisions),
+        "kv_events": None if agent.kv_events is None else agent.kv_events.describe(node.node_id),
     }
 
 

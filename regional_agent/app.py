@@ -157,6 +157,7 @@ def create_app(
         },
         ejections=monitor.ejections,
     )
+    kv = _kv_events(settings, pool=pool, policy=policy, clock=clock)
     edge = Edge(
         settings=settings,
         clock=clock,
@@ -174,6 +175,7 @@ def create_app(
         tenants=Tenants(settings.tenants, clock=clock),
         group_policy=group_policy,
         prompts=prompts,
+        kv_events=kv,
     )
     runtime: WorkerRuntime | None = None
     if worker is not None and worker.count > 1:
@@ -219,7 +221,6 @@ def create_app(
             tables=group_tables,
             on_replicas=edge.tenants.set_replicas,
         )
-    kv = _kv_events(settings, pool=pool, policy=policy, clock=clock)
     if kv is not None:
         app[KV_EVENTS] = kv
         instruments.watch_kv_events(

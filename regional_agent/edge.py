@@ -34,6 +34,7 @@ from meridian_service.clock import Clock
 from policies import admission, routing
 from policies.group_routing import GroupPolicy
 from regional_agent.health import HealthMonitor
+from regional_agent.kv_events import KvEvents
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.prompts import Prompts
@@ -64,6 +65,7 @@ class Edge:
     tenants: Tenants  # API keys, tenants and their rate limits (open mode: no keys)
     group_policy: GroupPolicy | None = None  # with group tables (routing.policy = "groups")
     prompts: Prompts = field(default_factory=Prompts)  # the models' tokenizers ([tokenizer])
+    kv_events: KvEvents | None = None  # the nodes' KV-event subscriptions ([kv_events])
     # with several workers: what a sibling sends (workers.runtime.SIBLING_SECRET) in place of
     # the admin token
     sibling_secret: str | None = None

@@ -1142,14 +1142,14 @@ class KvEventsSettings(_Group):
     topic: str = Field(
         "", description="the topic subscribed to (vLLM's kv-events topic); default all"
     )
-    # 400k entries, about 100 MiB (policies.kv_index.ENTRY_BYTES): every block of 14 H100s'
+    # 400k entries, about 115 MiB (policies.kv_index.ENTRY_BYTES): every block of 14 H100s'
     # caches with Llama-3-8B (28k 16-token blocks each); past it the fullest node loses its
     # least recently stored blocks, so a burst of events is bounded, never the agent's memory
     capacity_blocks: int = Field(
         400_000,
         ge=1,
-        description="most (node, block) entries the precise index keeps, about 260 bytes each "
-        "(100 MiB at the default); over it, the node holding most loses its least recently "
+        description="most (node, block) entries the precise index keeps, about 300 bytes each "
+        "(115 MiB at the default); over it, the node holding most loses its least recently "
         "stored blocks; default 400000",
     )
     replay_timeout_s: float = Field(

@@ -50,7 +50,7 @@ from zmq.utils.monitor import parse_monitor_message
 from meridian_service.clock import Clock
 from meridian_wire import kv_events
 from meridian_wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from policies.kv_index import PreciseIndex
+from policies.kv_index import BlockSizeMismatch, PreciseIndex
 from policies.model import NodeId
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import KvEventsSettings
@@ -59,7 +59,11 @@ log = logging.getLogger(__name__)
 
 EVENT_KINDS: Final = ("stored", "removed", "cleared", "ignored")
 ERROR_KINDS: Final = ("malformed", "refused", "unkeyed", "gap", "resync_cleared", "replay_timeout")
-_MONITOR: Final = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_MONITOR: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_FULL_ATTENTION: Final = frozenset({"full_attention", "mla_attention"})
+_DRAIN: Final = 4096  # messages read in one turn of the loop before the monitor is looked at
+_YIELD_EVERY: Final = 256  # batches applied between two yields to the event loop
+_REPLAY_ROUNDS: Final = 8  # replays that lost batches before a resync gives up for an interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,8 @@ class Subscription:
         self._clock = clock
         self._counts = counts
         self.connected = False
-        self.last_seq: int | None = None  # the last batch applied
+        # the last batch applied; -1: none yet, and the engine's next is its first (0)
+        self.last_seq: int | None = None
         self._synced = False  # False: messages wait for a resync (they are in its replay)
         self._last_payload: bytes | None = None
         self._warned_s: dict[str, float] = {}
@@ -107,10 +112,15 @@ class Subscription:
         """Until cancelled: keep the node's stream in sync; never raises for bad input."""
         cfg = self._settings
         sub = self._ctx.socket(zmq.SUB)
-        sub.linger = 0
-        sub.rcvhwm = cfg.receive_hwm
-        sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode("utf-8"))
-        monitor = sub.get_monitor_socket(_MONITOR)
+        try:
+            sub.linger = 0
+            sub.ipv6 = True  # a node on an IPv6 address; IPv4 still connects
+            sub.rcvhwm = cfg.receive_hwm
+            sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode("utf-8"))
+            monitor = sub.get_monitor_socket(_MONITOR)
+        except BaseException:
+            sub.close(linger=0)
+            raise
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -124,7 +134,7 @@ class Subscription:
                 now = self._clock.now()
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_CONNECTED:
+                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a ZeroMQ peer
                         self.connected = True
                         log.info(
                             "kv events connected node=%s endpoint=%s",
@@ -144,13 +154,15 @@ class Subscription:
                             self.endpoints.events,
                         )
                 if sub in ready:
-                    while True:  # drain what is queued, then look at the monitor again
+                    for drained in range(_DRAIN):  # what is queued, in bounded turns
                         try:
                             frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         if self._on_message(frames) and resync_due is None:
                             resync_due = now
+                        if drained % _YIELD_EVERY == _YIELD_EVERY - 1:
+                            await asyncio.sleep(0)  # let requests be served meanwhile
                 if not self.connected and now - since >= cfg.retry_interval_s:
                     self._warn_once(
                         "unreachable",
@@ -209,45 +221,51 @@ class Subscription:
         except kv_events.KvEventError as exc:
             self._error("malformed", str(exc))
             return
-        node = self.node_id
-        index = self._index
-        counts = self._counts
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                if not _ours(event.medium, event.group_idx) or (
-                    event.lora_id is not None or event.lora_name is not None
-                ):
-                    counts[(node, "ignored")] += 1
-                    continue
-                try:
-                    keyed = index.stored(
-                        node,
-                        parent=event.parent_block_hash,
-                        hashes=event.block_hashes,
-                        token_ids=event.token_ids,
-                        block_size=event.block_size,
-                    )
-                except ValueError as exc:
-                    self._error("refused", str(exc))
-                    continue
-                counts[(node, "stored")] += 1
-                if keyed < len(event.block_hashes):
-                    counts[(node, "unkeyed")] += len(event.block_hashes) - keyed
-            elif isinstance(event, BlockRemoved):
-                if not _ours(event.medium, event.group_idx):
-                    counts[(node, "ignored")] += 1
-                    continue
-                index.removed(node, event.block_hashes)
-                counts[(node, "removed")] += 1
-            elif isinstance(event, AllBlocksCleared):
-                index.clear(node)
-                counts[(node, "cleared")] += 1
+            try:
+                self._apply_event(event)
+            except BlockSizeMismatch as exc:
+                self._error("refused", str(exc))
+            except (ValueError, OverflowError) as exc:  # token ids that are not token ids
+                self._error("malformed", str(exc))
+
+    def _apply_event(self, event: kv_events.Event) -> None:
+        node = self.node_id
+        counts = self._counts
+        if isinstance(event, BlockStored):
+            if not _ours(event.medium, event.group_idx, event.kv_cache_spec_kind) or (
+                event.lora_id is not None
+                or event.lora_name is not None
+                or (event.extra_keys is not None and any(k is not None for k in event.extra_keys))
+            ):
+                counts[(node, "ignored")] += 1  # keys the agent's hash of token ids lacks
+                return
+            keyed = self._index.stored(
+                node,
+                parent=event.parent_block_hash,
+                hashes=event.block_hashes,
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+            )
+            counts[(node, "stored")] += 1
+            if keyed < len(event.block_hashes):
+                counts[(node, "unkeyed")] += len(event.block_hashes) - keyed
+        elif isinstance(event, BlockRemoved):
+            if not _ours(event.medium, event.group_idx, None):
+                counts[(node, "ignored")] += 1
+                return
+            self._index.removed(node, event.block_hashes)
+            counts[(node, "removed")] += 1
+        elif isinstance(event, AllBlocksCleared):
+            self._index.clear(node)
+            counts[(node, "cleared")] += 1
 
     # -- resync ----------------------------------------------------------------------------
 
     async def _resync(self) -> bool:
         """Bring the index up to the engine's state (module docstring); False when the replay
-        endpoint did not answer in time (the node stays approximate; retried)."""
+        endpoint did not answer in time or its answers keep missing batches (the node stays
+        approximate; retried)."""
         node = self.node_id
         if self.endpoints.replay is None:
             if self.last_seq is not None or self._index.blocks(node):
@@ -257,43 +275,56 @@ class Subscription:
             self._synced = True
             self._index.set_precise(node, True)
             return True
-        start = self.last_seq if self.last_seq is not None else 0
-        items = await self._replay(start)
-        if items is None:
-            return False
-        if self.last_seq is not None and items and items[0] == (self.last_seq, self._last_payload):
-            rest = items[1:]  # continuous: the batch applied last is where the buffer resumes
-        else:
-            if self.last_seq is not None or self._index.blocks(node):
-                self._counts[(node, "resync_cleared")] += 1
-                log.info(
-                    "kv events resync node=%s: the engine restarted or the gap is older than "
-                    "its replay buffer; its blocks are cleared and the buffer applied",
-                    node,
-                )
-            self._index.clear(node)
-            self.last_seq = None
-            if start > 0:
-                whole = await self._replay(0)
-                if whole is None:
-                    return False
-                items = whole
-            rest = items
-        for seq, payload in rest:
-            self._apply(seq, payload)
-        self._synced = True
-        self._index.set_precise(node, True)
-        return True
+        for _ in range(_REPLAY_ROUNDS):
+            last = self.last_seq
+            start = last if last is not None and last >= 0 else 0
+            items, complete = await self._replay(start)
+            if last is not None and last >= 0 and items[:1] == [(last, self._last_payload)]:
+                items = items[1:]  # continuous: the buffer resumes at the batch applied last
+            elif last is not None and last < 0 and (not items or items[0][0] == 0):
+                pass  # nothing applied yet, and the engine's first batch is where it starts
+            elif not items and not complete:
+                return False  # no answer at all
+            else:  # the engine restarted, or the gap is older than its buffer
+                if last is not None or self._index.blocks(node):
+                    self._counts[(node, "resync_cleared")] += 1
+                    log.info(
+                        "kv events resync node=%s: the engine restarted or the gap is older "
+                        "than its replay buffer; its blocks are cleared and the buffer applied",
+                        node,
+                    )
+                self._index.clear(node)
+                self.last_seq = last = None
+                if start > 0 and not (items and items[0][0] > start):
+                    items, complete = await self._replay(0)  # a restarted engine's whole buffer
+            hole = False
+            for n, (seq, payload) in enumerate(items):
+                if self.last_seq is not None and self.last_seq >= 0 and seq != self.last_seq + 1:
+                    hole = True  # the replay lost batches (ROUTER drops past its high-water mark)
+                    break
+                self._apply(seq, payload)
+                if n % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    await asyncio.sleep(0)
+            if self.last_seq is None:
+                self.last_seq = -1  # an empty buffer: the engine's next batch is its first
+            if complete and not hole:
+                self._synced = True
+                self._index.set_precise(node, True)
+                return True
+            self._counts[(node, "gap")] += 1  # ask again from the last batch applied
+        return False
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from ``start`` on, or None when the replay endpoint does not
-        answer within ``replay_timeout_s`` (between two replies)."""
+    async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """The buffered batches from ``start`` on, and whether the end marker came (False: the
+        replay endpoint stopped answering for ``replay_timeout_s``, a warning says so)."""
         assert self.endpoints.replay is not None
         dealer = self._ctx.socket(zmq.DEALER)
-        dealer.linger = 0
         timeout_ms = int(self._settings.replay_timeout_s * 1000)
         items: list[tuple[int, bytes]] = []
         try:
+            dealer.linger = 0
+            dealer.ipv6 = True
+            dealer.rcvhwm = 0  # no limit: the replay comes at once, and a full pipe drops
             dealer.connect(self.endpoints.replay)
             await dealer.send_multipart([b"", kv_events.encode_seq(start)])
             while True:
@@ -307,7 +338,7 @@ class Subscription:
                         self.endpoints.replay,
                         self._settings.replay_timeout_s,
                     )
-                    return None
+                    return items, False
                 frames = await dealer.recv_multipart()
                 if frames[:1] == [b""]:
                     frames = frames[1:]
@@ -317,7 +348,7 @@ class Subscription:
                     self._error("malformed", f"replay: {exc}")
                     continue
                 if seq < 0:
-                    return items
+                    return items, True
                 items.append((seq, payload))
         finally:
             dealer.close(linger=0)
@@ -337,9 +368,14 @@ class Subscription:
         log.warning(message, *args)
 
 
-def _ours(medium: str | None, group_idx: int | None) -> bool:
-    """A block the agent's hashes describe: on the GPU, in the first (full-attention) group."""
-    return medium in (None, kv_events.MEDIUM_GPU) and group_idx in (None, 0)
+def _ours(medium: str | None, group_idx: int | None, kind: str | None) -> bool:
+    """A block the agent's hashes describe: on the GPU, of full attention (the first group
+    when the engine does not say which kind)."""
+    if medium not in (None, kv_events.MEDIUM_GPU):
+        return False
+    if kind is not None:
+        return kind in _FULL_ATTENTION
+    return group_idx in (None, 0)
 
 
 class KvEvents:
@@ -362,6 +398,7 @@ class KvEvents:
         self._per_node = dict(per_node or {})
         self._context: zmq.asyncio.Context | None = None
         self.subscriptions: dict[NodeId, tuple[Subscription, asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()  # cancelled, not yet finished
         self.counts: Counter[tuple[str, str]] = Counter()
 
     def endpoints(self, node: Node) -> Endpoints | None:
@@ -394,6 +431,13 @@ class KvEvents:
         for node_id, (sub, task) in list(self.subscriptions.items()):
             if wanted.get(node_id) != sub.endpoints:
                 task.cancel()
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+                del self.subscriptions[node_id]
+                self.index.forget(node_id)
+                for key in [k for k in self.counts if k[0] == node_id]:
+                    del self.counts[key]  # its series go with it
+            elif task.done():  # crashed (logged): start it again, from a clean slate
                 del self.subscriptions[node_id]
                 self.index.forget(node_id)
         for node_id, found in wanted.items():
@@ -421,27 +465,29 @@ class KvEvents:
             await self.close()
 
     async def close(self) -> None:
-        tasks = [task for _, task in self.subscriptions.values()]
+        tasks = [task for _, task in self.subscriptions.values()] + list(self._stopping)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.subscriptions.clear()
         if self._context is not None:
-            self._context.term()
+            self._context.destroy(linger=0)  # never blocks: every socket is closed or dropped
             self._context = None
 
-    def report(self) -> dict[str, dict[str, object]]:
-        """Per node: endpoints, whether in sync, the last sequence number, blocks held."""
+    def describe(self, node_id: NodeId) -> dict[str, object] | None:
+        """``node_id``'s subscription as ``GET /admin/nodes`` shows it (None: it has none):
+        endpoints, connected, in sync, the last sequence number applied, blocks held."""
+        found = self.subscriptions.get(node_id)
+        if found is None:
+            return None
+        sub = found[0]
         return {
-            node_id: {
-                "endpoint": sub.endpoints.events,
-                "replay_endpoint": sub.endpoints.replay,
-                "connected": sub.connected,
-                "precise": sub.precise,
-                "last_seq": sub.last_seq,
-                "blocks": self.index.blocks(node_id),
-            }
-            for node_id, (sub, _) in self.subscriptions.items()
+            "endpoint": sub.endpoints.events,
+            "replay_endpoint": sub.endpoints.replay,
+            "connected": sub.connected,
+            "in_sync": sub.precise,
+            "last_seq": sub.last_seq,
+            "blocks": self.index.blocks(node_id),
         }
 
 

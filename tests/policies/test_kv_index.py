@@ -155,23 +155,44 @@ def test_matches_a_brute_force_model(
 
 
 def test_entry_bytes_is_an_upper_bound() -> None:
-    """ENTRY_BYTES against tracemalloc over 10,000 (node, block) entries on 4 nodes."""
+    """ENTRY_BYTES against tracemalloc over 10,000 (node, block) entries on 4 nodes, each block
+    held by two nodes, the engine hashes made fresh as the wire decodes them (32 bytes each)."""
     index = PreciseIndex(capacity_blocks=10**6, block_size=16)
     prompts = [[p * 1000 + t for t in range(16 * 50)] for p in range(100)]
-    hashes = [
-        [bytes(32 - len(str(i))) + str(i).encode() + bytes([p]) for i in range(50)]
-        for p in range(100)
-    ]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for n in range(4):
         node = NodeId(f"n{n}")
         for p in range(n * 25, n * 25 + 50):  # overlapping halves: blocks held by two nodes
-            index.stored(
-                node, parent=None, hashes=hashes[p % 100], token_ids=prompts[p % 100], block_size=16
-            )
+            q = p % 100
+            hashes = [q.to_bytes(2, "big") + i.to_bytes(30, "big") for i in range(50)]
+            index.stored(node, parent=None, hashes=hashes, token_ids=prompts[q], block_size=16)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert len(index) == 10_000
     print(f"{used / len(index):.0f} bytes an entry")
     assert used / len(index) <= kv_index.ENTRY_BYTES
+
+
+def test_two_engine_blocks_with_one_key_count_twice() -> None:
+    """vLLM's hash covers what token ids do not (a cache salt, an image): two engine blocks of
+    the same tokens share the agent's key, and the node holds it until both are gone."""
+    index = _index()
+    tokens = TOKENS[:4]
+    key = prompt.block_hashes(tokens, block_size=BS)
+    index.stored(A, parent=None, hashes=[b"salted"], token_ids=tokens, block_size=BS)
+    index.stored(A, parent=None, hashes=[b"plain"], token_ids=tokens, block_size=BS)
+    assert len(index) == 2 and index.match(key) == {A: 1}
+    index.removed(A, [b"salted"])
+    assert index.match(key) == {A: 1}  # the other copy is still there
+    index.removed(A, [b"plain"])
+    assert index.match(key) == {} and len(index) == 0
+
+
+def test_token_ids_that_are_not_token_ids_are_a_value_error() -> None:
+    index = _index()
+    with pytest.raises(ValueError, match=r"0\.\.2\*\*32-1"):
+        index.stored(A, parent=None, hashes=[b"x"], token_ids=[2**40, 1, 2, 3], block_size=BS)
+    with pytest.raises(kv_index.BlockSizeMismatch):
+        index.stored(A, parent=None, hashes=[b"x"], token_ids=list(range(8)), block_size=8)
+    assert len(index) == 0 and index.blocks(A) == 0

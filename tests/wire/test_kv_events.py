@@ -150,6 +150,24 @@ def test_bad_payloads_say_what_is_wrong(payload: bytes, says: str) -> None:
         kv_events.decode_batch(payload)
 
 
+def test_arrays_nested_thousands_deep_are_refused_not_a_crash() -> None:
+    """``extra_keys`` is ``list[Any]``: msgspec recurses into whatever is there."""
+    deep = msgspec.Raw(b"\x91" * 100_000 + b"\x90")  # [[[...[]...]]]
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [0] * 16,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [deep],
+    }
+    with pytest.raises(kv_events.KvEventError, match="nested too deep"):
+        kv_events.decode_batch(msgspec.msgpack.encode([0.0, [stored]]))
+
+
 @given(st.binary(max_size=200))
 def test_any_bytes_decode_or_raise_kv_event_error(payload: bytes) -> None:
     with contextlib.suppress(kv_events.KvEventError):
