@@ -175,7 +175,7 @@ class EngineStats:
 class CacheStored:
     """Blocks the cache registered, in prompt order (vLLM's ``BlockStored``): their hashes,
     the hash of the block before the first (``None``: the prompt's first block), and the
-    ``block_size`` token ids of each."""
+    ``block_size`` token ids of each (none when the engine keeps no token ids in its events)."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
@@ -189,7 +189,13 @@ class CacheRemoved:
     block_hashes: tuple[int, ...]
 
 
-CacheEvent = CacheStored | CacheRemoved
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """The whole prefix cache was dropped (vLLM's ``AllBlocksCleared``): a reset with no block
+    in use."""
+
+
+CacheEvent = CacheStored | CacheRemoved | CacheCleared
 
 
 class KVCache:
@@ -270,23 +276,38 @@ class KVCache:
         return True
 
     def reset_prefix_cache(self) -> None:
+        """Drop every cached block no request holds.  The event is vLLM's when no block is in
+        use (``AllBlocksCleared``); vLLM refuses a reset while one is, this drops the rest and
+        says which (``BlockRemoved``)."""
         dropped: list[int] = []
         for h, b in list(self._by_hash.items()):
             if self._ref[b] == 0:
                 del self._by_hash[h]
                 self._hash_of[b] = None
                 dropped.append(h)
-        if dropped and self.events is not None:
-            self.events.append(CacheRemoved(tuple(dropped)))
+        if self.events is not None:
+            if not any(self._ref):
+                self.events.append(CacheCleared())
+            elif dropped:
+                self.events.append(CacheRemoved(tuple(dropped)))
 
 
 class Engine:
     """One simulated vLLM engine.  Not thread-safe; drive it from one task."""
 
     def __init__(
-        self, profile: Profile, *, rng: random.Random, record_events: bool = False
+        self,
+        profile: Profile,
+        *,
+        rng: random.Random,
+        record_events: bool = False,
+        event_token_ids: bool = True,
     ) -> None:
+        """``record_events``: keep the cache's events (:meth:`take_events`), with each stored
+        block's token ids unless ``event_token_ids`` is False (the fleet simulator's agents key
+        blocks by the engine's hashes, and a trace's synthetic tokens are costly to make)."""
         self.profile = profile
+        self._event_token_ids = event_token_ids
         self.kv = KVCache(
             num_blocks=profile.num_gpu_blocks,
             block_size=profile.block_size,
@@ -596,7 +617,9 @@ class Engine:
                             parent_block_hash=req.block_hashes[first - 1] if first else None,
                             token_ids=tuple(
                                 req.token_at(t) for t in range(first * bs, (last + 1) * bs)
-                            ),
+                            )
+                            if self._event_token_ids
+                            else (),
                         )
                     )
                     run = []

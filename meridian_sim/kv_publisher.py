@@ -27,9 +27,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from meridian_sim.engine import CacheEvent, CacheStored
+from meridian_sim.engine import CacheCleared, CacheEvent, CacheStored
 from meridian_wire import kv_events
-from meridian_wire.kv_events import BlockRemoved, BlockStored, EventBatch
+from meridian_wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,17 @@ def to_wire(events: Sequence[CacheEvent], *, block_size: int) -> list[kv_events.
                     lora_name=None,
                 )
             )
+        elif isinstance(e, CacheCleared):
+            out.append(AllBlocksCleared())
         else:
             out.append(BlockRemoved(block_hashes=list(e.block_hashes), medium=kv_events.MEDIUM_GPU))
     return out
+
+
+def _ipv6(endpoint: str) -> bool:
+    """An endpoint on an IPv6 address (ZeroMQ binds those only with its IPV6 option, which
+    would also name an IPv4 endpoint ``tcp://[::ffff:127.0.0.1]:...``)."""
+    return endpoint.startswith("tcp://[") or "::" in endpoint
 
 
 class Publisher:
@@ -105,18 +113,24 @@ class Publisher:
     def __init__(self, config: KvEventsConfig) -> None:
         self.config = config
         self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.linger = 0
-        self._pub.sndhwm = config.hwm
-        self._pub.bind(config.endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
-        if config.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.linger = 0
-            self._replay.bind(config.replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.linger = 0
+            self._pub.ipv6 = _ipv6(config.endpoint)  # so tcp://[::1]:... binds
+            self._pub.sndhwm = config.hwm
+            self._pub.bind(config.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.linger = 0
+                self._replay.ipv6 = _ipv6(config.replay_endpoint)
+                self._replay.bind(config.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            self._ctx.destroy(linger=0)
+            raise
         self._topic = config.topic.encode("utf-8")
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
             maxlen=config.buffer_steps
@@ -155,7 +169,4 @@ class Publisher:
             await replay.send_multipart([client, b"", b"", kv_events.END_SEQ, b""])
 
     def close(self) -> None:
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
