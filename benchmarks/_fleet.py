@@ -10,6 +10,7 @@ run, so every load fraction means the same thing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -45,6 +46,9 @@ class Task:
     agents: int = 1  # agent replicas per region (FleetConfig.agents_per_region)
     workers: bool = False  # the agents are one agent's workers (FleetConfig.workers)
     candidates: int | None = None  # RoutingConfig.meridian_candidates (None: the default)
+    kv_events: bool = False  # the precise index fed by the engines' events (FleetConfig)
+    kv_event_delay_s: float = 0.05
+    num_gpu_blocks: int | None = None  # KV-cache blocks per node (None: the profile's)
 
 
 _STATE: dict[str, Any] = {}
@@ -59,6 +63,8 @@ def _init(trace: str, profile_name: str, capacity: float) -> None:
 
 def _run(task: Task) -> dict[str, Any]:
     prof = _STATE["profile"]
+    if task.num_gpu_blocks is not None:
+        prof = dataclasses.replace(prof, num_gpu_blocks=task.num_gpu_blocks)
     work = fleet.at_load(
         _STATE["requests"],
         prof,
@@ -81,6 +87,8 @@ def _run(task: Task) -> dict[str, Any]:
             if task.candidates is None
             else routing.RoutingConfig(meridian_candidates=task.candidates)
         ),
+        kv_events=task.kv_events,
+        kv_event_delay_s=task.kv_event_delay_s,
     )
     result = fleet.simulate(prof, work.requests, config, hasher=_STATE["hasher"])
     return {
@@ -90,12 +98,16 @@ def _run(task: Task) -> dict[str, Any]:
         "window_s": task.window_s,
         "candidates": task.candidates,
         "workers": task.workers,
+        "num_gpu_blocks": prof.num_gpu_blocks,
+        "kv_event_delay_s": task.kv_event_delay_s if task.kv_events else None,
         **result.summary,
     }
 
 
-def capacity(trace: Path, profile_name: str) -> float:
+def capacity(trace: Path, profile_name: str, *, num_gpu_blocks: int | None = None) -> float:
     prof = fleet.with_context(profile.load(profile_name), MAX_MODEL_LEN)
+    if num_gpu_blocks is not None:
+        prof = dataclasses.replace(prof, num_gpu_blocks=num_gpu_blocks)
     return workloads.node_capacity_rps(prof, workloads.read_trace(trace))
 
 

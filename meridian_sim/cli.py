@@ -12,6 +12,7 @@ meridian-sim fleet --trace FILE --nodes N --policy NAME --load X [--regions K]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -194,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="index every one of a prompt's first blocks before the stride (default "
         "RoutingConfig's, 32; 0: stride from the first block)",
     )
+    f.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the engines publish KV-cache events and the agents route on the precise index "
+        "they feed (prefix_aware, meridian; needs the profile's block size, 16)",
+    )
+    f.add_argument(
+        "--kv-event-delay-s",
+        type=_nonneg_float,
+        default=0.05,
+        help="from a step's end to the agents' index, seconds (default 0.05)",
+    )
+    f.add_argument(
+        "--num-gpu-blocks",
+        type=_positive_int,
+        help="KV-cache blocks per node instead of the profile's (a smaller cache: pressure)",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed for routing and scrape phases")
     f.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     f.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -250,6 +268,8 @@ def _prefix_overrides(args: argparse.Namespace) -> dict[str, int]:
 def _fleet(args: argparse.Namespace) -> int:
     try:
         prof = fleet.with_context(profile.load(args.profile), args.max_model_len)
+        if args.num_gpu_blocks is not None:
+            prof = dataclasses.replace(prof, num_gpu_blocks=args.num_gpu_blocks)
         requests = workloads.read_trace(args.trace, limit=args.limit)
         config = fleet.FleetConfig(
             nodes=args.nodes,
@@ -262,6 +282,8 @@ def _fleet(args: argparse.Namespace) -> int:
             slots_per_node=args.slots,
             seed=args.seed,
             routing=routing.RoutingConfig(**_prefix_overrides(args)),
+            kv_events=args.kv_events,
+            kv_event_delay_s=args.kv_event_delay_s,
         )
         progress = None if args.quiet else sys.stderr
         if progress is not None and args.capacity_rps is None:

@@ -62,13 +62,21 @@ from dataclasses import dataclass, field
 from typing import Final, TextIO
 
 from meridian_sim import workloads
-from meridian_sim.engine import Engine, RequestRecord, StepResult
+from meridian_sim.engine import (
+    CacheEvent,
+    CacheRemoved,
+    CacheStored,
+    Engine,
+    RequestRecord,
+    StepResult,
+)
 from meridian_sim.fleet.oracle import Oracle
 from meridian_sim.offline import percentile
 from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
 from policies import admission, group_routing, routing
 from policies.groups import GroupId
+from policies.kv_index import PreciseIndex
 from policies.model import NodeId, NodeView, NodeViews, RequestView, Telemetry
 
 POLICIES: Final[tuple[str, ...]] = (*routing.NAMES, group_routing.NAME, "oracle")
@@ -80,6 +88,7 @@ _STEP_END: Final = 1
 _SCRAPE: Final = 2
 _DEADLINE: Final = 3
 _ENGINE_ADD: Final = 4
+_KV_EVENTS: Final = 5
 
 
 class FleetError(ValueError):
@@ -106,6 +115,16 @@ class FleetConfig:
     prefix_block_tokens: int = 16
     routing: routing.RoutingConfig = field(default_factory=routing.RoutingConfig)
     seed: int = 0
+    kv_events: bool = False
+    """The engines publish their KV-cache events and the agents' precise index follows them
+    (``policies.kv_index``), ``kv_event_delay_s`` after the step that changed the cache; the
+    agents of a region see the same events at the same time."""
+    kv_event_delay_s: float = 0.05
+    """From a step's end to the agents' index: vLLM's publisher thread, ZeroMQ, the agent's
+    decode (milliseconds on one host; more across a network)."""
+    kv_capacity_blocks: int | None = None
+    """The precise index's bound, (node, block) entries; default: every GPU block of the
+    region (nodes x the profile's ``num_gpu_blocks``)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -120,6 +139,13 @@ class FleetConfig:
             raise FleetError("scrape_interval_s must be >= 0")
         if self.stale_after_s is not None and self.stale_after_s <= 0:
             raise FleetError("stale_after_s must be > 0")
+        if self.kv_events and self.policy not in ("prefix_aware", "meridian"):
+            raise FleetError(
+                f"kv_events needs a policy with a prefix index (prefix_aware, meridian), "
+                f"not {self.policy!r}"
+            )
+        if self.kv_event_delay_s < 0:
+            raise FleetError("kv_event_delay_s must be >= 0")
 
     @property
     def fresh(self) -> bool:
@@ -174,12 +200,15 @@ class _Node:
 
 
 class _Region:
-    __slots__ = ("agents", "by_id", "nodes")
+    __slots__ = ("agents", "by_id", "kv_index", "nodes")
 
     def __init__(self, *, nodes: list[_Node]) -> None:
         self.nodes = nodes
         self.by_id = {n.node_id: n for n in nodes}
         self.agents: list[_Agent] = []
+        # with kv_events: what every agent of the region knows from the engines' events (one
+        # object: each agent subscribes to the same engines and sees the same events)
+        self.kv_index: PreciseIndex | None = None
 
 
 class _Agent:
@@ -259,11 +288,15 @@ class Fleet:
         progress: TextIO | None = None,
         hasher: BlockHasher | None = None,
     ) -> None:
-        if config.policy == "oracle" and config.prefix_block_tokens != profile.block_size:
-            raise FleetError(
-                "the oracle needs prefix_block_tokens equal to the profile's block_size "
-                f"({profile.block_size})"
-            )
+        for what, needs in (
+            ("the oracle", config.policy == "oracle"),
+            ("kv_events", config.kv_events),
+        ):
+            if needs and config.prefix_block_tokens != profile.block_size:
+                raise FleetError(
+                    f"{what} needs prefix_block_tokens equal to the profile's block_size "
+                    f"({profile.block_size})"
+                )
         self.profile = profile
         self.requests = requests
         self.config = config
@@ -281,6 +314,7 @@ class Fleet:
         self._overhead_s = profile.timing.request_overhead_ms / 1000.0
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
+        self._kv_pending: dict[int, tuple[_Node, list[CacheEvent]]] = {}  # seq -> in flight
         self._nodes: list[_Node] = []
         self._regions: list[_Region] = []
         self._agents: list[_Agent] = []  # region by region
@@ -319,12 +353,24 @@ class Fleet:
                     pos=i,
                     node_id=NodeId(f"r{r}-n{i:03d}"),
                     region=r,
-                    engine=Engine(self.profile, rng=random.Random(master.getrandbits(64))),
+                    engine=Engine(
+                        self.profile,
+                        rng=random.Random(master.getrandbits(64)),
+                        record_events=cfg.kv_events,
+                        event_token_ids=False,
+                    ),
                 )
                 nodes.append(node)
                 self._nodes.append(node)
             region = _Region(nodes=nodes)
             self._regions.append(region)
+            if cfg.kv_events:
+                region.kv_index = PreciseIndex(
+                    capacity_blocks=cfg.kv_capacity_blocks or count * self.profile.num_gpu_blocks,
+                    block_size=cfg.prefix_block_tokens,
+                )
+                for n in nodes:
+                    region.kv_index.set_precise(n.node_id, True)
             # groups: one table per region that its agents share (an instant etcd sync); each
             # node its own group, as the agent's default
             tables = group_routing.LocalTables(
@@ -338,6 +384,8 @@ class Fleet:
                     policy=self._make_policy(tables),
                     rng=random.Random(seeds.getrandbits(64)),
                 )
+                if region.kv_index is not None:
+                    routing.attach_precise(agent.policy, region.kv_index)
                 region.agents.append(agent)
                 self._agents.append(agent)
                 if not cfg.fresh:  # its own generator: staleness must not reseed routing
@@ -397,6 +445,8 @@ class Fleet:
                     self._push(now + self.config.scrape_interval_s, _SCRAPE, arg)
             elif kind == _DEADLINE:
                 done += self._deadline(arg, now)
+            elif kind == _KV_EVENTS:
+                self._kv_deliver(arg)
             else:
                 self._engine_add(arg, now)
             if self._progress is not None and self._seq % 256 == 0:
@@ -605,8 +655,27 @@ class Fleet:
         node.result = result
         self._push(now + result.duration_s, _STEP_END, node.index)
 
+    def _kv_deliver(self, key: int) -> None:
+        """A step's KV events reach the agents of its node's region."""
+        node, events = self._kv_pending.pop(key)
+        index = self._regions[node.region].kv_index
+        assert index is not None
+        for event in events:
+            if isinstance(event, CacheStored):
+                index.stored_keys(node.node_id, event.block_hashes)
+            elif isinstance(event, CacheRemoved):
+                index.removed(node.node_id, event.block_hashes)
+            else:
+                index.clear(node.node_id)
+
     def _step_end(self, node: _Node, result: StepResult, now: float) -> int:
         pos = node.pos
+        if self.config.kv_events:
+            events = node.engine.take_events()
+            if events:
+                key = self._seq + 1  # the sequence number _push gives the event
+                self._kv_pending[key] = (node, events)
+                self._push(now + self.config.kv_event_delay_s, _KV_EVENTS, key)
         for event in result.tokens:
             if event.index == 0:  # a first token: its prefill is no longer ahead
                 agent = self._agents[self._agent_of[int(event.request_id)]]
@@ -707,6 +776,14 @@ class Fleet:
             "preemptions": preemptions,
             # the agents' prefix indexes at the end, all agents, by the index's own estimate
             "prefix_index_mib": sum(b or 0 for b in index_bytes) / 2**20,
+            # with kv_events: the precise index of each agent (one region's is every agent's)
+            "kv_index_mib": sum(
+                r.kv_index.estimated_bytes() * len(r.agents)
+                for r in self._regions
+                if r.kv_index is not None
+            )
+            / 2**20,
+            "kv_events": cfg.kv_events,
             "virtual_s": span,
             "wall_s": wall_s,
             "cpu_s": self._cpu_s,

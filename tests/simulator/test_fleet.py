@@ -3,6 +3,7 @@ agent replicas."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -342,3 +343,32 @@ def test_every_worker_learns_where_each_prompt_went() -> None:
     assert all(all(k == known(shared, i)[0] for k in known(shared, i)) for i in range(40))
     assert all(known(shared, i)[0] for i in range(40))
     assert any(any(k != known(apart, i)[0] for k in known(apart, i)) for i in range(40))
+
+
+def test_kv_events_feed_an_index_that_ends_equal_to_the_engines_caches() -> None:
+    """Under cache pressure (a small cache: evictions), the precise index follows every store
+    and eviction; once the last events land it holds exactly what each engine caches."""
+    small = dataclasses.replace(H100, num_gpu_blocks=600)
+    requests = workloads.scale_to_rate(_sessions(seed=9, duration_s=40), rate_per_s=6.0)
+    sim = Fleet(small, requests, fleet.FleetConfig(nodes=3, kv_events=True, kv_event_delay_s=0.2))
+    result = sim.run()
+    assert all(o.refused is None for o in result.outcomes)
+    (region,) = sim._regions
+    index = region.kv_index
+    assert index is not None
+    for n in sim._nodes:
+        assert index.keys(n.node_id) == set(n.engine.kv._by_hash)
+    assert result.summary["kv_index_mib"] > 0 and result.summary["kv_events"] is True
+    # the same run without events routes differently: the index matters
+    plain = fleet.simulate(small, requests, fleet.FleetConfig(nodes=3))
+    assert [o.node for o in plain.outcomes] != [o.node for o in result.outcomes]
+
+
+def test_kv_events_refuse_what_cannot_use_them() -> None:
+    requests = _sessions()[:5]
+    with pytest.raises(fleet.FleetError, match="kv_events needs a policy with a prefix index"):
+        fleet.FleetConfig(nodes=2, policy="round_robin", kv_events=True)
+    with pytest.raises(fleet.FleetError, match="kv_events needs prefix_block_tokens equal"):
+        Fleet(H100, requests, fleet.FleetConfig(nodes=2, kv_events=True, prefix_block_tokens=32))
+    with pytest.raises(fleet.FleetError, match="kv_event_delay_s"):
+        fleet.FleetConfig(nodes=2, kv_events=True, kv_event_delay_s=-1)
