@@ -1,12 +1,15 @@
 """``make demo``: simulated H100 nodes behind a regional agent, under traffic, with a failure.
 
-Starts four ``meridian-sim node`` processes and one ``meridian-agent`` in front of them, then
-sends streaming chat traffic from three tenants (each with a long system prompt, so prefixes
-repeat, and a handful of sessions) through the agent.  Every second it prints each node's load
+Starts four ``meridian-sim node`` processes, each publishing its KV-cache events as vLLM does,
+and one ``meridian-agent`` in front of them that routes on what the engines report they hold
+(docs/agent.md, "KV events from the engines"), then sends streaming chat traffic from three
+tenants (each with a long system prompt, so prefixes repeat, and a handful of sessions) through
+the agent.  Every second it prints each node's load
 and the agent's latest routing decision, read from the agent's admin API.  A third of the way
 in it drains one node; two thirds in it kills another outright.  At the end it prints, per
-node, what was served and what the node's own ``/metrics`` say about its prefix cache, and how
-many client requests failed.
+node, what was served, what the node's own ``/metrics`` say about its prefix cache, how many
+blocks the agent knows the node holds (and whether its events are in sync: the killed node's
+are not), and how many client requests failed.
 
 Later issues put etcd, the controller and DNS around this region.
 
@@ -21,9 +24,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,7 +205,10 @@ async def _run(
         listing = await _admin_nodes(session, agent.url)
         agent_metrics = await _metrics(session, agent.url)
         print()
-        header = f"{'node':8} {'state':>10} {'served':>7} {'prefix hit %':>13} {'last decision'}"
+        header = (
+            f"{'node':8} {'state':>10} {'served':>7} {'prefix hit %':>13} "
+            f"{'blocks the agent knows':>24}  {'last decision'}"
+        )
         print(header)
         for proc, n in zip(nodes, listing, strict=True):
             m = await _metrics(session, proc.url)
@@ -212,7 +220,16 @@ async def _run(
             hit = f"{100 * hits / queries:.1f}" if queries else ("(dead)" if not m else "-")
             decisions = n["recent_decisions"]
             last = decisions[-1] if isinstance(decisions, list) and decisions else "-"
-            print(f"{proc.name:8} {state:>10} {n['requests_total']!s:>7} {hit:>13} {last}")
+            kv = n.get("kv_events")
+            known = (
+                f"{kv['blocks']} ({'in sync' if kv['in_sync'] else 'not in sync'})"
+                if isinstance(kv, dict)
+                else "-"
+            )
+            print(
+                f"{proc.name:8} {state:>10} {n['requests_total']!s:>7} {hit:>13} {known:>24}  "
+                f"{last}"
+            )
         print()
         print(
             f"client: {tally.ok} ok, {tally.failed} failed; TTFT p50 "
@@ -243,26 +260,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--requests >= 3, --concurrency >= 1 and --time-scale > 0")
 
     procs: list[Proc] = []
+    sockets: str | None = None
     try:
         print(
             f"Starting four simulated vLLM nodes ({args.profile}, time scale {args.time_scale:g})"
         )
         nodes = []
+        sockets = tempfile.mkdtemp(prefix="meridian-demo-")
+        node_settings = []
         for i in range(4):
+            # each node publishes its KV-cache events as vLLM does (on Unix sockets here), and
+            # the agent routes on what the engines report they hold
+            events = f"ipc://{sockets}/node-{i + 1}-events.sock"
+            replay = f"ipc://{sockets}/node-{i + 1}-replay.sock"
+            kv_config = json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": events, "replay_endpoint": replay}
+            )  # fmt: skip
             node = _start(
                 f"node-{i + 1}",
                 ["meridian_sim.cli", "node", "--port", "0", "--profile", args.profile,
                  "--time-scale", str(args.time_scale), "--seed", str(args.seed + i),
-                 "--log-level", "WARNING"],
+                 "--log-level", "WARNING", "--kv-events-config", kv_config],
             )  # fmt: skip
             procs.append(node)
             nodes.append(node)
-            print(f"  {node.name} at {node.url}")
+            node_settings.append(
+                {"url": node.url, "kv_events_endpoint": events, "kv_events_replay_endpoint": replay}
+            )
+            print(f"  {node.name} at {node.url}, KV events at {events}")
         agent = _start(
             "agent",
             ["regional_agent.cli", "--port", "0", "--policy", args.policy,
-             "--log-level", "WARNING", *[a for n in nodes for a in ("--node", n.url)]],
-            env={"MERIDIAN_AGENT_ADMIN__TOKEN": ADMIN_TOKEN},  # never on the command line
+             "--log-level", "WARNING"],
+            env={
+                "MERIDIAN_AGENT_ADMIN__TOKEN": ADMIN_TOKEN,  # never on the command line
+                "MERIDIAN_AGENT_NODES": json.dumps(node_settings),
+            },
         )  # fmt: skip
         procs.append(agent)
         print(f"Regional agent at {agent.url} (policy {args.policy})")
@@ -274,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in procs:
             if p.proc.poll() is None:
                 p.proc.terminate()
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.proc.wait(timeout=10)

@@ -20,6 +20,13 @@ def test_demo_runs_drains_kills_and_reports(capsys: pytest.CaptureFixture[str]) 
     assert rows["node-4"][1] == "drained"
     assert rows["node-3"][1] in ("ejected", "unhealthy")
     assert rows["node-1"][1] == rows["node-2"][1] == "healthy"
+    known = {
+        name: re.search(r"(\d+) \((in sync|not in sync)\)", " ".join(row))
+        for name, row in rows.items()
+    }
+    assert all(known.values()), out  # every node's KV events were followed
+    assert known["node-3"][2] == "not in sync"  # type: ignore[index]  # killed: its stream ended
+    assert known["node-1"][2] == "in sync" and int(known["node-1"][1]) > 0  # type: ignore[index]
     ok, failed = map(int, re.search(r"client: (\d+) ok, (\d+) failed", out).groups())  # type: ignore[union-attr]
     assert ok + failed == 36
     assert ok >= 30  # only streams already under way on the killed node may fail
