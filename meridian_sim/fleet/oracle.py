@@ -6,10 +6,14 @@ cache holds *right now*, read from the simulated engines, instead of the agent's
 prefix index; and the fleet simulator gives it fresh telemetry whatever the scrape interval.
 The gap between ``meridian`` and ``oracle`` is what approximate, stale knowledge costs.  It
 lives in the simulator because no real agent can see inside the nodes' caches.
+
+It scores every node, however many (``meridian_candidates`` 0): the bounded set ``meridian``
+scores above 16 nodes is drawn from its prefix index, which the oracle does not keep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from policies import routing
@@ -23,7 +27,7 @@ class Oracle(routing._Meridian):
     name = "oracle"
 
     def __init__(self, config: routing.RoutingConfig, *, cached_blocks: CachedBlocks) -> None:
-        super().__init__(config)
+        super().__init__(dataclasses.replace(config, meridian_candidates=0))
         self._cached_blocks = cached_blocks
 
     def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:

@@ -372,3 +372,14 @@ def test_kv_events_refuse_what_cannot_use_them() -> None:
         Fleet(H100, requests, fleet.FleetConfig(nodes=2, kv_events=True, prefix_block_tokens=32))
     with pytest.raises(fleet.FleetError, match="kv_event_delay_s"):
         fleet.FleetConfig(nodes=2, kv_events=True, kv_event_delay_s=-1)
+
+
+def test_the_oracle_scores_every_node_above_the_bounded_set() -> None:
+    """Past meridian_candidates (16) nodes meridian scores its prefix index's holders and a
+    sample; the oracle keeps no index, so it must score every node to see the caches at all."""
+    requests = workloads.scale_to_rate(_sessions(seed=5, duration_s=60), rate_per_s=12.0)
+    sim = Fleet(H100, requests, fleet.FleetConfig(nodes=32, policy="oracle"))
+    result = sim.run()
+    assert sim._agents[0].policy._config.meridian_candidates == 0  # type: ignore[attr-defined]
+    rand = fleet.simulate(H100, requests, fleet.FleetConfig(nodes=32, policy="random"))
+    assert float(result.summary["prefix_hit_rate"]) > float(rand.summary["prefix_hit_rate"]) + 0.1
