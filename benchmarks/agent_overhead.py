@@ -72,7 +72,9 @@ class Child:
             raise SystemExit(f"{self.name} exited with {code}:\n{self.stderr_tail()}")
 
 
-def spawn(name: str, argv: Sequence[str], logdir: Path) -> Child:
+def spawn(
+    name: str, argv: Sequence[str], logdir: Path, *, env: dict[str, str] | None = None
+) -> Child:
     stderr_path = logdir / f"{name}.stderr"
     with stderr_path.open("wb") as err:
         proc = subprocess.Popen(
@@ -81,14 +83,28 @@ def spawn(name: str, argv: Sequence[str], logdir: Path) -> Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
+            env=None if env is None else {**os.environ, **env},
         )
     return Child(name=name, proc=proc, stderr_path=stderr_path)
 
 
-def spawn_node(i: int, *, profile: str, time_scale: float, logdir: Path) -> Child:
-    """``meridian-sim node`` number ``i`` (seeded by ``i``) on a free loopback port."""
+def kv_endpoints(i: int, logdir: Path) -> tuple[str, str]:
+    """Node ``i``'s KV-event PUB and replay endpoints (Unix sockets in ``logdir``)."""
+    return f"ipc://{logdir}/node{i}-events.sock", f"ipc://{logdir}/node{i}-replay.sock"
+
+
+def spawn_node(
+    i: int, *, profile: str, time_scale: float, logdir: Path, kv_events: bool = False
+) -> Child:
+    """``meridian-sim node`` number ``i`` (seeded by ``i``) on a free loopback port; with
+    ``kv_events`` publishing its KV-cache events at :func:`kv_endpoints`."""
     argv = ["-m", "meridian_sim.cli", "node", "--port", "0", "--profile", profile, "--time-scale",
             f"{time_scale:g}", "--seed", str(i), "--log-level", "WARNING"]  # fmt: skip
+    if kv_events:
+        events, replay = kv_endpoints(i, logdir)
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                  "replay_endpoint": replay}  # fmt: skip
+        argv += ["--kv-events-config", json.dumps(config)]
     return spawn(f"node{i}", argv, logdir)
 
 

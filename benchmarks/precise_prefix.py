@@ -15,11 +15,17 @@ cache.  Writes ``precise_prefix.{json,md,png}``.
 
     python benchmarks/precise_prefix.py [--quick] [--sizes 16,64] [--cache-fraction 0.125]
         [--delay-s 0.05] [--jobs 2] [--out-dir benchmarks/results]
+        [--only oracle --keep benchmarks/results/precise_prefix.json]
+
+``--only LABELS`` runs only those variants (``meridian precise``, ``oracle``, ...) and takes the
+other rows from ``--keep``, an earlier run's JSON with the same settings (runs are
+deterministic: a variant whose code did not change gives the same row again).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,6 +61,8 @@ def main() -> int:
     p.add_argument("--cache-fraction", type=float, default=0.125, help="of the profile's cache")
     p.add_argument("--delay-s", type=float, default=0.05, help="KV event delay, seconds")
     p.add_argument("--capacity-rps", type=float, default=None, help="skip measuring it")
+    p.add_argument("--only", default=None, help="comma-separated variant labels to run")
+    p.add_argument("--keep", type=Path, default=None, help="earlier JSON for the other rows")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -77,16 +85,39 @@ def main() -> int:
         for n in sizes
         for pol, precise in VARIANTS
     ]
+    kept: list[dict[str, Any]] = []
+    if args.only is not None:
+        only = {x.strip() for x in args.only.split(",")}
+        if args.keep is None:
+            raise SystemExit("--only needs --keep, the earlier run's JSON for the other rows")
+        earlier = json.loads(args.keep.read_text())
+        for key in ("num_gpu_blocks", "kv_event_delay_s", "window_s", "trace"):
+            if earlier["meta"][key] != {"num_gpu_blocks": blocks, "kv_event_delay_s":
+                    args.delay_s, "window_s": window, "trace": str(args.trace)}[key]:  # fmt: skip
+                raise SystemExit(f"--keep {args.keep}: its {key} differs from this run's")
+        when = earlier["meta"]["machine"]["date"]
+        kept = [
+            {**r, "reused_from": r.get("reused_from", when)}
+            for r in earlier["rows"]
+            if _key(r)[1] not in only and _key(r)[0] in sizes
+        ]
+        tasks = [t for t in tasks if _label(t.policy, t.kv_events) in only]
+        if args.capacity_rps is None:
+            args.capacity_rps = float(earlier["meta"]["node_capacity_rps"])
     print(f"precise_prefix: {len(tasks)} runs on {args.jobs} processes", file=sys.stderr)
     cap = args.capacity_rps or _fleet.capacity(args.trace, args.profile, num_gpu_blocks=blocks)
     print(f"precise_prefix: one node's capacity {cap:.3f} requests/s", file=sys.stderr)
-    rows = _fleet.run_all(
+    ran = _fleet.run_all(
         tasks,
         trace=args.trace,
         profile_name=args.profile,
         capacity_rps=cap,
         jobs=args.jobs,
         partial=args.out_dir / "precise_prefix.partial.json",
+    )
+    rows = sorted(
+        [*kept, *ran],
+        key=lambda r: (r["nodes"], [_label(p, k) for p, k in VARIANTS].index(_key(r)[1])),
     )
     meta = {
         "trace": str(args.trace),
@@ -102,6 +133,7 @@ def main() -> int:
         "quick": args.quick,
         "machine": _fleet.machine(),
         "command": " ".join(sys.argv),
+        "reused_rows": len(kept),
     }
     md = render(rows, meta, sizes=sizes)
     _fleet.write(args.out_dir, "precise_prefix", meta, rows, md)
@@ -145,6 +177,9 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], *, sizes: list[int]
                 f"| {n} | {_label(pol, precise)} | {r['requests']} | {ms(r['ttft_p50_s'])} | "
                 f"{ms(r['ttft_p99_s'])} | {pct(r['prefix_hit_rate'])} | {rel} | {mib:.1f} |"
             )
+    reused = sorted({str(r["reused_from"]) for r in rows if "reused_from" in r})
+    if reused:
+        out += ["", f"Rows not in `--only` are reused from the run of {', '.join(reused)}."]
     out += [
         "",
         "index MiB: the agents' indexes at the end, by their own estimates (the approximate "

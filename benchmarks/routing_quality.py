@@ -7,6 +7,9 @@ and the most prefix-cache reuse?
 Real processes on 127.0.0.1: ``--nodes`` ``meridian-sim node`` processes (``h100-llama3-8b`` at
 ``--time-scale``), one router at a time in front of them (``meridian-agent`` with each policy, or
 a peer from ``_peers.py`` with each of its policies), and this process as the load generator.
+``meridian-events:POLICY`` is the agent routing on the nodes' own KV-cache events (the precise
+index, docs/agent.md); when it is among the routers, every node publishes its events (Unix
+sockets) for every router's runs, so all of them run against the same nodes.
 Trace rows become chat requests whose text reproduces the trace's block sharing
 (``_trace_prompts.py``), streamed, each generating exactly its trace output length.  Arrivals
 keep the trace's own gaps, compressed so that the mean rate is the load fraction times the
@@ -62,9 +65,11 @@ from policies import prompt
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT / "data" / "workloads" / "mooncake_conversation_trace.jsonl"
 MERIDIAN_POLICIES = ("meridian", "prefix_aware", "session", "power_of_two", "round_robin")
+EVENTS = "meridian-events"  # the agent routing on the nodes' KV events (the precise index)
 FULL_PEER_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 QUICK_ROUTERS = (
     "meridian:meridian",
+    "meridian-events:meridian",
     "meridian:prefix_aware",
     "vllm-router:cache_aware",
     "sglang-router:cache_aware",
@@ -355,11 +360,21 @@ def start_router(
     logdir: Path,
     peers_root: str | None,
 ) -> Router:
-    if name == "meridian":
+    if name in ("meridian", EVENTS):
         argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", policy]
-        for u in node_urls:
-            argv += ["--node", u]
-        child = ao.spawn(f"agent-{policy}", [*argv, "--log-level", "WARNING"], logdir)
+        env = None
+        if name == EVENTS:  # every node's KV events, by node settings (no --node flags)
+            nodes = []
+            for i, u in enumerate(node_urls):
+                events, replay = ao.kv_endpoints(i, logdir)
+                nodes.append(
+                    {"url": u, "kv_events_endpoint": events, "kv_events_replay_endpoint": replay}
+                )
+            env = {"MERIDIAN_AGENT_NODES": json.dumps(nodes)}
+        else:
+            for u in node_urls:
+                argv += ["--node", u]
+        child = ao.spawn(f"{name}-{policy}", [*argv, "--log-level", "WARNING"], logdir, env=env)
         ao.wait_ready(child)
         return Router(
             name=name,
@@ -610,7 +625,7 @@ def parse_routers(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for item in text.split(","):
         name, _, policy = item.strip().partition(":")
-        if name == "meridian":
+        if name in ("meridian", EVENTS):
             out.append((name, policy or "meridian"))
         elif name in _peers.PEERS:
             peer = _peers.PEERS[name]
@@ -618,7 +633,7 @@ def parse_routers(text: str) -> list[tuple[str, str]]:
                 out.append((name, p))
         else:
             raise SystemExit(
-                f"unknown router {name!r}: meridian or one of {', '.join(_peers.PEERS)}"
+                f"unknown router {name!r}: meridian, {EVENTS} or one of {', '.join(_peers.PEERS)}"
             )
     return out
 
@@ -629,6 +644,8 @@ def default_routers(quick: bool) -> str:
     return ",".join(
         [
             *(f"meridian:{p}" for p in MERIDIAN_POLICIES),
+            f"{EVENTS}:meridian",
+            f"{EVENTS}:prefix_aware",
             *(f"{p}:{q}" for p in _peers.PEERS for q in FULL_PEER_POLICIES),
         ]
     )
@@ -702,10 +719,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logdir = Path(tmp)
         children: list[ao.Child] = []
         try:
+            events = any(name == EVENTS for name, _ in routers)
             for i in range(args.nodes):
                 children.append(
                     ao.spawn_node(
-                        i, profile=args.profile, time_scale=args.time_scale, logdir=logdir
+                        i,
+                        profile=args.profile,
+                        time_scale=args.time_scale,
+                        logdir=logdir,
+                        kv_events=events,  # every router then runs against publishing nodes
                     )
                 )
             node_urls = [ao.wait_ready(c) for c in children]
