@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,6 +27,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_sim import node, profile
 from meridian_sim.kv_publisher import KvEventsConfig
@@ -501,3 +506,74 @@ async def test_a_node_on_an_ipv6_address(
     node_id = NodeId(f"::1:{sim.port}")
     await _until("in sync over IPv6", lambda: index.is_precise(node_id))
     assert _kv(agent).describe(node_id)["endpoint"] == f"tcp://[::1]:{port}"  # type: ignore[index]
+
+
+async def test_every_worker_follows_the_events_and_routes_alike(
+    event_node: NodeStarter, tmp_path: Path
+) -> None:
+    """``meridian-agent --workers 2``: each worker subscribes by itself, both hold every block
+    the engines report, and a prompt cached behind the agent's back is followed by whichever
+    worker a connection lands on."""
+    a, b = await event_node(), await event_node()
+    nodes = [a.settings(), b.settings()]
+    env = {
+        **os.environ,
+        "MERIDIAN_AGENT_NODES": json.dumps(nodes),
+        "MERIDIAN_AGENT_ROUTING__PREFIX_BLOCK_TOKENS": str(BLOCK),
+        "MERIDIAN_AGENT_ADMIN__TOKEN": "t",
+    }
+    log = tmp_path / "agent.log"
+    with log.open("w") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "regional_agent.cli", "--port", "0", "--workers", "2",
+            stdout=asyncio.subprocess.PIPE, stderr=err, env=env,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("READY "), (line, log.read_text())
+        url = line.split()[1]
+        systems = [_words(900 + i, 200) for i in range(6)]
+        for system in systems:
+            await _chat(b.url, system)  # straight to the node
+        want = len(b.cached())
+
+        async def blocks_by_worker() -> dict[str, float]:
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                s.get(f"{url}/metrics") as r,
+            ):
+                text = await r.text()
+            out: dict[str, float] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "meridian_agent_kv_index_blocks" and sample.labels.get(
+                        "node"
+                    ) == _id(b):
+                        out[sample.labels["worker"]] = sample.value
+            return out
+
+        deadline = time.monotonic() + 20
+        while (seen := await blocks_by_worker()) != {"0": want, "1": want}:
+            assert time.monotonic() < deadline, (seen, want, log.read_text()[-3000:])
+            await asyncio.sleep(0.2)
+        before = await metric(b.url, "vllm:request_success_total")
+        for turn, system in enumerate(systems):  # a new connection each: both workers route
+            body = {
+                "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+                "messages": [{"role": "user", "content": f"{system} and then {turn}"}],
+                "max_tokens": 2,
+            }
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                s.post(f"{url}/v1/chat/completions", json=body) as r,
+            ):
+                assert r.status == 200, await r.text()
+        assert await metric(b.url, "vllm:request_success_total") - before == len(systems)
+    finally:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
