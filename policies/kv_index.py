@@ -162,7 +162,6 @@ class PreciseIndex:
             keys = prompt.block_hashes(token_ids, block_size=block_size, parent=our_parent)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be integers in 0..2**32-1: {exc}") from exc
-        holders = self._holders
         for engine_hash, key in zip(hashes, keys, strict=True):
             old = mine.get(engine_hash)
             if old is not None:
@@ -173,11 +172,7 @@ class PreciseIndex:
             else:
                 self._size += 1
             mine[engine_hash] = key
-            found = holders.get(key)
-            if found is None:
-                holders[key] = {node: 1}
-            else:
-                found[node] = found.get(node, 0) + 1
+            self._hold(key, node)
         if self._size > self._capacity:
             self._trim()
         return len(keys)
@@ -188,18 +183,13 @@ class PreciseIndex:
         mine = self._by_node.get(node)
         if mine is None:
             mine = self._by_node[node] = OrderedDict()
-        holders = self._holders
         for key in keys:
             if key in mine:
                 mine.move_to_end(key)
                 continue
             self._size += 1
             mine[key] = key
-            found = holders.get(key)
-            if found is None:
-                holders[key] = {node: 1}
-            else:
-                found[node] = found.get(node, 0) + 1
+            self._hold(key, node)
         if self._size > self._capacity:
             self._trim()
         return len(keys)
@@ -264,6 +254,13 @@ class PreciseIndex:
         return matched
 
     # -- inside ----------------------------------------------------------------------------
+
+    def _hold(self, key: int, node: NodeId) -> None:
+        found = self._holders.get(key)
+        if found is None:
+            self._holders[key] = {node: 1}
+        else:
+            found[node] = found.get(node, 0) + 1
 
     def _drop_holder(self, key: int, node: NodeId) -> None:
         found = self._holders.get(key)

@@ -37,6 +37,7 @@ from policies.model import NodeId
 from regional_agent.app import KV_EVENTS
 from regional_agent.kv_events import KvEvents
 from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes, metric
+from tests.support.waits import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,19 +123,12 @@ def _index(agent: AgentHandle) -> PreciseIndex:
     return _kv(agent).index
 
 
-async def _until(what: str, check: Callable[[], bool], *, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 async def _precise(agent: AgentHandle, *nodes: EventNode) -> None:
     index = _index(agent)
-    await _until(
-        "every node in sync",
+    await until(
         lambda: all(index.is_precise(NodeId(n.url.removeprefix("http://"))) for n in nodes),
+        10.0,
+        "every node in sync",
     )
 
 
@@ -186,8 +180,8 @@ async def test_the_index_holds_exactly_what_the_engine_caches(
     await _precise(agent, sim)
     await _chat(agent.url, _words(1))
     index = _index(agent)
-    await _until("the index to hold blocks", lambda: index.blocks(_id(sim)) > 0)
-    await _until("the index to equal the cache", lambda: index.keys(_id(sim)) == sim.cached())
+    await until(lambda: index.blocks(_id(sim)) > 0, 10.0, "the index to hold blocks")
+    await until(lambda: index.keys(_id(sim)) == sim.cached(), 10.0, "the index to equal the cache")
     assert len(sim.cached()) >= 300 // BLOCK  # the prompt's blocks, at least
     assert await metric(agent.url, "meridian_agent_kv_events_total", kind="stored") >= 1
     assert await metric(agent.url, "meridian_agent_kv_events_in_sync", node=_id(sim)) == 1
@@ -214,11 +208,9 @@ async def test_evictions_leave_the_index(
     for i in range(5):
         await _chat(agent.url, _words(100 + i, 100))
         if i == 0:
-            await _until("the first prompt indexed", lambda: index.blocks(_id(sim)) > 0)
+            await until(lambda: index.blocks(_id(sim)) > 0, 10.0, "the first prompt indexed")
             first_blocks = index.keys(_id(sim))
-        await _until(
-            "the index to equal the cache", lambda: index.keys(_id(sim)) == sim.cached(), within_s=2
-        )
+        await until(lambda: index.keys(_id(sim)) == sim.cached(), 2, "the index to equal the cache")
     assert first_blocks and not first_blocks & index.keys(_id(sim))  # evicted, and gone here
     assert await metric(agent.url, "meridian_agent_kv_events_total", kind="removed") >= 1
 
@@ -236,7 +228,7 @@ async def test_routing_follows_the_engines_cache_not_the_agents_guess(
     for system in systems:
         await _chat(b.url, system)  # straight to the node
     index = _index(agent)
-    await _until("B's blocks indexed", lambda: index.keys(_id(b)) == b.cached())
+    await until(lambda: index.keys(_id(b)) == b.cached(), 10.0, "B's blocks indexed")
     for turn, system in enumerate(systems):
         went = await _routed(agent, f"{system} and then {turn}")
         assert went == _id(b), f"turn {turn} went to {went}"
@@ -281,15 +273,15 @@ async def test_a_restarted_engine_clears_the_nodes_blocks(
     await _precise(agent, sim)
     index = _index(agent)
     await _chat(agent.url, _words(8))
-    await _until("blocks indexed", lambda: index.blocks(_id(sim)) > 0)
+    await until(lambda: index.blocks(_id(sim)) > 0, 10.0, "blocks indexed")
     old = index.keys(_id(sim))
     await sim.runner.cleanup()  # the engine dies: its cache with it
-    await _until("out of sync", lambda: not index.is_precise(_id(sim)))
+    await until(lambda: not index.is_precise(_id(sim)), 10.0, "out of sync")
     again = await event_node(events=sim.events, replay_endpoint=sim.replay or "", port=sim.port)
     await _precise(agent, again)
-    await _until("the old blocks cleared", lambda: not index.keys(_id(sim)) & old)
+    await until(lambda: not index.keys(_id(sim)) & old, 10.0, "the old blocks cleared")
     await _chat(agent.url, _words(9))
-    await _until("the new engine's blocks", lambda: index.keys(_id(sim)) == again.cached())
+    await until(lambda: index.keys(_id(sim)) == again.cached(), 10.0, "the new engine's blocks")
     assert (
         await metric(agent.url, "meridian_agent_kv_event_errors_total", kind="resync_cleared") >= 1
     )
@@ -302,9 +294,7 @@ async def test_an_endpoint_that_does_not_answer_leaves_the_node_approximate(
     silent = dataclasses.replace(sim, events="tcp://127.0.0.1:9", replay="tcp://127.0.0.1:9")
     caplog.set_level(logging.WARNING, logger="regional_agent.kv_events.subscriber")
     agent = await start_agent([], policy="meridian", **_agent_settings(silent))
-    await _until(
-        "a warning", lambda: "kv events endpoint does not answer" in caplog.text, within_s=5
-    )
+    await until(lambda: "kv events endpoint does not answer" in caplog.text, 5, "a warning")
     assert not _index(agent).is_precise(_id(sim))
     assert await _routed(agent, _words(10)) == _id(sim)  # routed all the same
     await asyncio.sleep(1.2)  # two more retry intervals: one warning an interval, not a flood
@@ -396,10 +386,10 @@ async def test_garbage_and_gaps_are_counted_and_survived(
         )
         index = _index(agent)
         node_id = _id(sim)
-        await _until("in sync", lambda: index.is_precise(node_id))
+        await until(lambda: index.is_precise(node_id), 10.0, "in sync")
         await asyncio.sleep(0.3)  # the subscription reaches the publisher
         await fake.send(0, _stored(list(range(32))))
-        await _until("seq 0 applied", lambda: index.blocks(node_id) == 2)
+        await until(lambda: index.blocks(node_id) == 2, 10.0, "seq 0 applied")
         await fake.pub.send_multipart([b"one frame"])
         await fake.pub.send_multipart([b"", b"\x00", b"short seq"])
         await fake.send(1, b"\xc1 not msgpack")
@@ -427,7 +417,7 @@ async def test_garbage_and_gaps_are_counted_and_survived(
         fake.lose_once = {7}  # and the replay that repairs the gap loses one more (a full pipe)
         await fake.send(7, _stored(list(range(48, 64)), parent=2, first=3), publish=False)
         await fake.send(8, _stored(list(range(64, 80)), parent=3, first=4))  # the gap shows
-        await _until("the gaps repaired from replay", lambda: index.blocks(node_id) == 5)
+        await until(lambda: index.blocks(node_id) == 5, 10.0, "the gaps repaired from replay")
         assert index.is_precise(node_id)
         assert await metric(agent.url, ERRORS, kind="malformed") >= 5
         assert await metric(agent.url, ERRORS, kind="refused") == 1
@@ -456,9 +446,10 @@ async def test_two_agents_hold_the_same_index_and_route_alike(
         else:
             await _chat(one.url, text)
     for n in nodes:
-        await _until(
-            "both indexes equal the engine",
+        await until(
             lambda n=n: _index(one).keys(_id(n)) == _index(two).keys(_id(n)) == n.cached(),
+            10.0,
+            "both indexes equal the engine",
         )
     await asyncio.sleep(2.5)  # past precise_pending_s: only the events count in either agent
     for text in prompts:
@@ -476,10 +467,10 @@ async def test_a_reset_of_an_idle_engine_clears_its_blocks(
     await _precise(agent, sim)
     index = _index(agent)
     await _chat(agent.url, _words(11))
-    await _until("blocks indexed", lambda: index.blocks(_id(sim)) > 0)
+    await until(lambda: index.blocks(_id(sim)) > 0, 10.0, "blocks indexed")
     async with aiohttp.ClientSession() as s, s.post(f"{sim.url}/reset_prefix_cache") as r:
         assert r.status == 200
-    await _until("the blocks cleared", lambda: index.blocks(_id(sim)) == 0)
+    await until(lambda: index.blocks(_id(sim)) == 0, 10.0, "the blocks cleared")
     assert not sim.cached()
     assert await metric(agent.url, "meridian_agent_kv_events_total", kind="cleared") == 1
 
@@ -504,7 +495,7 @@ async def test_a_node_on_an_ipv6_address(
     )
     index = _index(agent)
     node_id = NodeId(f"::1:{sim.port}")
-    await _until("in sync over IPv6", lambda: index.is_precise(node_id))
+    await until(lambda: index.is_precise(node_id), 10.0, "in sync over IPv6")
     assert _kv(agent).describe(node_id)["endpoint"] == f"tcp://[::1]:{port}"  # type: ignore[index]
 
 

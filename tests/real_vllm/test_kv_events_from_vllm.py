@@ -12,8 +12,6 @@ engine that holds it, where vLLM counts the prefix-cache hit.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -30,6 +28,7 @@ from regional_agent.settings import TokenizerSettings
 from tests.support.agent import AgentFactory, AgentHandle
 from tests.support.agent import metric as _metric
 from tests.support.vllm import BLOCK_SIZE, MODEL_NAME, NUM_BLOCKS, VllmInstall, VllmServer
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -93,14 +92,6 @@ def _node_id(server: VllmServer) -> NodeId:
     return NodeId(server.url.removeprefix("http://"))
 
 
-async def _until(what: str, check: Callable[[], bool], *, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 async def _agent(
     start_agent: AgentFactory, install: VllmInstall, nodes: list[VllmServer]
 ) -> AgentHandle:
@@ -123,9 +114,7 @@ async def _agent(
         telemetry={"scrape_interval_s": 1.0, "scrape_timeout_s": 10.0},
     )
     index = handle.app[KV_EVENTS].index
-    await _until(
-        "both nodes in sync", lambda: all(index.is_precise(_node_id(n)) for n in nodes), within_s=30
-    )
+    await until(lambda: all(index.is_precise(_node_id(n)) for n in nodes), 30, "both nodes in sync")
     return handle
 
 
@@ -182,9 +171,10 @@ async def test_the_index_is_what_vllm_reports_and_the_agents_keys_are_vllms_bloc
         went = await _routed(agent, messages)
         for server, account in zip(vllm_nodes, accounts, strict=True):
             node = _node_id(server)
-            await _until(
-                f"{node}: the index holds what vLLM reported",
+            await until(
                 lambda node=node, account=account: index.engine_hashes(node) == account.held,
+                10.0,
+                f"{node}: the index holds what vLLM reported",
             )
         assert index.match(keys) == {went: len(keys)}  # the agent's keys find vLLM's blocks
         assert set(keys) <= index.keys(went)
@@ -206,16 +196,16 @@ async def test_a_prefix_vllm_evicts_leaves_the_index(
         first = _messages(vllm_install, 2)
         keys = _keys(vllm_install, first)
         await _chat(agent.url, first)
-        await _until("the first prompt indexed", lambda: index.match(keys) == {node: len(keys)})
+        await until(
+            lambda: index.match(keys) == {node: len(keys)}, 10.0, "the first prompt indexed"
+        )
         held = {h for h in index.engine_hashes(node) if index.key_of(node, h) in set(keys)}
         for seed in range(3, 3 + NUM_BLOCKS):  # about three blocks each: the cache turns over
             await _chat(server.url, _messages(vllm_install, seed))
             if not held & account.held:
                 break
         assert not held & account.held, "vLLM kept the first prompt's blocks"
-        await _until(
-            "the evicted blocks gone", lambda: not held & index.engine_hashes(node), within_s=1.0
-        )
+        await until(lambda: not held & index.engine_hashes(node), 1.0, "the evicted blocks gone")
         assert index.match(keys).get(node, 0) < len(keys)
         assert index.engine_hashes(node) == account.held
     finally:
@@ -235,11 +225,12 @@ async def test_routing_follows_vllms_own_prefix_cache_hits(
         messages = _messages(vllm_install, 100 + turn)
         keys = _keys(vllm_install, messages)
         await _chat(server.url, messages)  # behind the agent's back
-        await _until(
-            "the engine's blocks indexed",
+        await until(
             lambda keys=keys, server=server: (
                 index.match(keys).get(_node_id(server), 0) == len(keys)
             ),
+            10.0,
+            "the engine's blocks indexed",
         )
         hits_before = await _metric(server.url, "vllm:prefix_cache_hits_total")
         went = await _routed(agent, messages)
