@@ -353,14 +353,16 @@ def _by_worker(samples: list[tuple[dict[str, str], float]]) -> dict[str, float]:
     return out
 
 
-async def _node_metric(node: SimProcess, name: str) -> float:
+async def _node_metric(node: SimProcess, *names: str) -> float:
+    """The sum of every sample of ``names`` in one scrape of the node (one scrape: a request
+    that moves from one series to another between two scrapes is not counted twice)."""
     async with _fresh() as client:
         reply = await client.get(f"{node.url}/metrics")
     return sum(
         s.value
         for f in text_string_to_metric_families(reply.text)
         for s in f.samples
-        if s.name == name
+        if s.name in names
     )
 
 
@@ -415,9 +417,10 @@ async def test_the_slots_of_a_node_are_counted_over_every_worker(
     async def watch() -> None:
         nonlocal peak
         while not done.is_set():
-            running = await _node_metric(node, "vllm:num_requests_running")
-            waiting = await _node_metric(node, "vllm:num_requests_waiting")
-            peak = max(peak, running + waiting)
+            held = await _node_metric(
+                node, "vllm:num_requests_running", "vllm:num_requests_waiting"
+            )  # one scrape: a request finishing and the next arriving between two would add up
+            peak = max(peak, held)
             await asyncio.sleep(0.02)
 
     watcher = asyncio.ensure_future(watch())

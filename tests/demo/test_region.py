@@ -26,7 +26,10 @@ def test_demo_runs_drains_kills_and_reports(capsys: pytest.CaptureFixture[str]) 
     }
     assert all(known.values()), out  # every node's KV events were followed
     assert known["node-3"][2] == "not in sync"  # type: ignore[index]  # killed: its stream ended
-    assert known["node-1"][2] == "in sync" and int(known["node-1"][1]) > 0  # type: ignore[index]
+    for name in ("node-1", "node-2", "node-4"):  # alive: in sync, and holding what they served
+        found = known[name]
+        assert found is not None and found[2] == "in sync", out
+        assert int(found[1]) > 0 or rows[name][2] == "0", out  # (routing may leave one idle)
     ok, failed = map(int, re.search(r"client: (\d+) ok, (\d+) failed", out).groups())  # type: ignore[union-attr]
     assert ok + failed == 36
     assert ok >= 30  # only streams already under way on the killed node may fail
