@@ -8,7 +8,7 @@ itself, so all of them hold the same index without writing anything anywhere.
 
 A subscription's life::
 
-    connect SUB ──► connected (socket monitor) ──► resync ──► in sync (node is precise)
+    connect SUB ──► handshake (socket monitor) ──► resync ──► in sync (node is precise)
         ▲               │ not within retry_interval_s: warn (once an interval)       │
         │               ▼                                                              │
         └──────── disconnected: node approximate ◄── gap, restart, replay timeout ◄────┘
@@ -23,13 +23,17 @@ or a restart clears the node and the stream is taken from the next batch.
 A sequence number past the next one is a gap (the PUB socket dropped batches: its high-water
 mark, or a slow agent) and triggers a resync; one at or below the last is a duplicate of a
 replayed batch and is skipped.  A restarted engine always reconnects, and every (re)connect
-resyncs, so a restart is never mistaken for duplicates.
+resyncs, so a restart is never mistaken for duplicates.  The replay itself may lose batches (a
+ROUTER drops what a full pipe cannot take): replayed sequence numbers must be consecutive too,
+and at a hole the resync applies what came before it and asks again from there.
 
 Bad input never stops a subscription: a frame or payload that is not a KV-event batch is counted
 (``malformed``) and skipped; a block of another size than ``routing.prefix_block_tokens`` is
 refused (``refused``) with a warning once an interval naming the setting to change.  Blocks on
-another medium than the GPU (vLLM's CPU offload), of another KV-cache group, or of a LoRA
-adapter are counted (``ignored``) and skipped: the agent hashes base-model GPU prefixes.
+another medium than the GPU (vLLM's CPU offload), of another kind than full attention, of a
+LoRA adapter, or with extra keys (a cache salt, multimodal inputs) are counted (``ignored``)
+and skipped: the agent's keys are base-model token ids on the GPU.  Token ids that are not
+token ids are ``malformed``.
 """
 
 from __future__ import annotations
