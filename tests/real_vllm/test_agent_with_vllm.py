@@ -232,30 +232,42 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
         outcomes.append("ok")
 
     async with _client(handle.url, timeout=120) as client:
-        # the non-streaming requests go first, so they are on both nodes, no byte sent, when the
-        # kill comes; the kill comes as soon as every stream has its first token
-        wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
-        # and are dispatched before any stream arrives: four requests arriving whole, stream,
-        # whole, stream put every stream on one node (a CI run saw it).  Dispatches are counted,
-        # not requests in flight: on a fast host a whole request finished before the fourth was
-        # seen in flight, and a wait for four in flight never ended (another CI run)
-        deadline = asyncio.get_running_loop().time() + 60
-        while True:
+        # Up to three tries at the scene the kill needs: on a starved host the doomed node's four
+        # requests can all finish before the survivor's streams have their first token (a CI run
+        # saw the doomed node with nothing in flight then).  A try that misses the scene lets its
+        # requests finish and starts again; the claims below are only checked on the scene.
+        for _ in range(3):
+            started[:] = [asyncio.Event() for _ in range(4)]
+            outcomes.clear()
+            dispatched = sum(n["requests_total"] for n in (await _admin_nodes(handle)).values())
+            # the non-streaming requests go first, so they are on both nodes, no byte sent, when
+            # the kill comes; the kill comes as soon as every stream has its first token
+            wholes = [asyncio.ensure_future(non_streaming(client, i)) for i in range(4)]
+            # and are dispatched before any stream arrives: four requests arriving whole,
+            # stream, whole, stream put every stream on one node (a CI run saw it).  Dispatches
+            # are counted, not requests in flight: on a fast host a whole request finished
+            # before the fourth was seen in flight, and a wait for four in flight never ended
+            deadline = asyncio.get_running_loop().time() + 60
+            while True:
+                nodes = await _admin_nodes(handle)
+                if sum(n["requests_total"] for n in nodes.values()) >= dispatched + 4:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"the whole requests were not all dispatched in 60 s: nodes {nodes}, "
+                    f"requests {[w.exception() if w.done() else 'running' for w in wholes]}"
+                )
+                await asyncio.sleep(0.05)
+            streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
             nodes = await _admin_nodes(handle)
-            if sum(n["requests_total"] for n in nodes.values()) >= 4:
+            # what the count of clean errors below rests on: two streams are running on the
+            # doomed node, with any whole request not yet finished there
+            assert nodes[doomed.url]["health"]["state"] == "healthy", nodes
+            if nodes[doomed.url]["in_flight"] >= 2:
                 break
-            assert asyncio.get_running_loop().time() < deadline, (
-                f"the whole requests were not all dispatched in 60 s: nodes {nodes}, "
-                f"requests {[w.exception() if w.done() else 'running' for w in wholes]}"
-            )
-            await asyncio.sleep(0.05)
-        streams = [asyncio.ensure_future(streaming(client, i)) for i in range(4)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
-        nodes = await _admin_nodes(handle)
-        # what the count of clean errors below rests on: two streams are running on the doomed
-        # node, with any whole request not yet finished there
-        assert nodes[doomed.url]["health"]["state"] == "healthy", nodes
-        assert nodes[doomed.url]["in_flight"] >= 2, nodes
+            await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
+        else:
+            raise AssertionError(f"three tries, and the doomed node never had 2 in flight: {nodes}")
         doomed.kill()
         # a hang would fail here rather than at the test timeout
         await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
