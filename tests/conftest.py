@@ -20,6 +20,7 @@ import pytest
 from meridian_sim import node, profile
 from tests.support import BindServer, EtcdServer, start_bind, start_etcd
 from tests.support.agent import AgentFactory, AgentStarter
+from tests.support.watchdog import pytest_runtest_call  # noqa: F401  (a hook: stacks before a timeout)
 
 _LOOPBACK = ("127.0.0.1", "localhost")
 NodeFactory = Callable[..., Awaitable[str]]
