@@ -40,6 +40,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -510,3 +511,65 @@ def node_capacity_rps(
                 in_flight += 1
     span = done_times[-1] - done_times[warmup - 1]
     return (len(done_times) - warmup) / span
+
+
+def shaped(
+    requests: Sequence[TraceRequest],
+    *,
+    base_rps: float,
+    shape: Sequence[tuple[float, float]],
+    duration_s: float,
+) -> list[TraceRequest]:
+    """The trace's requests arriving at ``base_rps`` times a multiplier that varies over time:
+    ``shape`` is ``(t, multiplier)`` points, linear between them and flat after the last (a 2x
+    spike: ``[(0, 1), (300, 1), (360, 2), (900, 2), (960, 1)]``).
+
+    The trace is first scaled to ``base_rps``, then its clock is warped: a request at ``s``
+    arrives when ``integral of the multiplier from 0 to t`` reaches ``s``, so the trace's own
+    burstiness rides on the shape.  A trace too short for ``duration_s`` is repeated, each
+    repeat with fresh block ids and sessions (a new population of prompts).
+    """
+    if base_rps <= 0 or duration_s <= 0:
+        raise ValueError("base_rps and duration_s must be positive")
+    points = sorted(shape)
+    if not points or points[0][0] != 0 or any(m <= 0 for _, m in points):
+        raise ValueError("shape must start at t = 0, with multipliers > 0")
+    base = scale_to_rate(requests, rate_per_s=base_rps)
+    period = base[-1].timestamp_s + 1.0 / base_rps
+    offset = 1 + max(max(r.hash_ids, default=0) for r in base)
+    # the warped clock, segment by segment: (t0, t1, m0, m1, area before t0)
+    segments: list[tuple[float, float, float, float, float]] = []
+    area = 0.0
+    for (t0, m0), (t1, m1) in itertools.pairwise(points):
+        segments.append((t0, t1, m0, m1, area))
+        area += (t1 - t0) * (m0 + m1) / 2
+    last_t, last_m = points[-1]
+
+    def warp(s: float) -> float:
+        for t0, t1, m0, m1, before in segments:
+            inside = (t1 - t0) * (m0 + m1) / 2
+            if s <= before + inside:
+                # solve before + m0*x + (m1-m0)/(2*(t1-t0))*x^2 = s for x in [0, t1-t0]
+                a = (m1 - m0) / (2 * (t1 - t0)) if t1 > t0 else 0.0
+                rest = s - before
+                if abs(a) < 1e-12:
+                    return t0 + rest / m0
+                return t0 + (-m0 + math.sqrt(m0 * m0 + 4 * a * rest)) / (2 * a)
+        return last_t + (s - area) / last_m
+
+    out: list[TraceRequest] = []
+    cycle = 0
+    while True:
+        for r in base:
+            t = warp(r.timestamp_s + cycle * period)
+            if t >= duration_s:
+                return out
+            out.append(
+                replace(
+                    r,
+                    timestamp_s=t,
+                    hash_ids=tuple(h + cycle * offset for h in r.hash_ids) if cycle else r.hash_ids,
+                    session=None if r.session is None else f"{r.session}~{cycle}",
+                )
+            )
+        cycle += 1

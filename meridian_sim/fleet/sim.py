@@ -45,6 +45,15 @@ proxy latency (zero), health, failures, drains, slow start, retries, the scrape'
 per-request output-length sampling (every request generates exactly its trace
 ``output_length``).
 
+- **Autoscaling** (``autoscaling``, one region): ``nodes`` is the most the region may have, and
+  ``initial_nodes`` serve at the start.  Every ``interval_s`` the region's autoscaler hands
+  ``policies.autoscaling.decide`` what the agent's autoscaler measures — serving and pending
+  nodes, the serving nodes' mean KV-cache use, the requests waiting (the agents' queues and the
+  engines'), the arrival rate since the last tick — and moves towards its target: a node
+  ordered arrives ``provision_delay_s`` later with an empty cache; fewer nodes cancel pending
+  orders first, then drain the serving node with the least work (no new requests; it stops
+  when its last one finishes).  A node costs GPU time from its order to its stop.
+
 Every request ends exactly once: finished by its node, or refused (``queue_full``,
 ``deadline``, ``too_large``) with the reason.
 """
@@ -74,7 +83,7 @@ from meridian_sim.fleet.oracle import Oracle
 from meridian_sim.offline import percentile
 from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
-from policies import admission, group_routing, routing
+from policies import admission, autoscaling, group_routing, routing
 from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
 from policies.model import NodeId, NodeView, NodeViews, RequestView, Telemetry
@@ -89,10 +98,33 @@ _SCRAPE: Final = 2
 _DEADLINE: Final = 3
 _ENGINE_ADD: Final = 4
 _KV_EVENTS: Final = 5
+_AUTOSCALE: Final = 6
+_NODE_READY: Final = 7
+
+# a node's state, with autoscaling (without it every node serves throughout)
+_OFF: Final = 0
+_PENDING: Final = 1
+_SERVING: Final = 2
+_DRAINING: Final = 3
 
 
 class FleetError(ValueError):
     """A fleet configuration that cannot run (the message names the field)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scaling:
+    """The region's autoscaler (``FleetConfig.autoscaling``)."""
+
+    policy: autoscaling.Config
+    initial_nodes: int
+    provision_delay_s: float = 120.0
+    """From an order to a ready node: about 2 minutes for a warm standby, 8-15 for a cold one."""
+    interval_s: float = 10.0
+    node_capacity_rps: float | None = None
+    """One node's measured capacity, for the forecast (None: the predictive demand is unknown)."""
+    floor_nodes: int = 0
+    """The controller's pre-warm floor, in nodes."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +157,8 @@ class FleetConfig:
     kv_capacity_blocks: int | None = None
     """The precise index's bound, (node, block) entries; default: every GPU block of the
     region (nodes x the profile's ``num_gpu_blocks``)."""
+    autoscaling: Scaling | None = None
+    """The region's node count follows ``policies.autoscaling``; ``nodes`` is its maximum."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -146,6 +180,24 @@ class FleetConfig:
             )
         if self.kv_event_delay_s < 0:
             raise FleetError("kv_event_delay_s must be >= 0")
+        a = self.autoscaling
+        if a is not None:
+            if self.regions != 1:
+                raise FleetError(f"autoscaling needs one region, got regions={self.regions}")
+            if self.kv_events:
+                raise FleetError("autoscaling and kv_events cannot be combined yet")
+            if not 0 <= a.initial_nodes <= self.nodes:
+                raise FleetError(
+                    f"autoscaling.initial_nodes must be 0..nodes ({self.nodes}), got "
+                    f"{a.initial_nodes}"
+                )
+            if a.policy.max_nodes > self.nodes:
+                raise FleetError(
+                    f"autoscaling.policy.max_nodes ({a.policy.max_nodes}) must be at most nodes "
+                    f"({self.nodes}): the fleet builds that many"
+                )
+            if a.provision_delay_s < 0 or a.interval_s <= 0:
+                raise FleetError("autoscaling.provision_delay_s must be >= 0 and interval_s > 0")
 
     @property
     def fresh(self) -> bool:
@@ -179,13 +231,33 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """One autoscaler tick: what it measured and what it decided."""
+
+    t: float
+    serving: int
+    pending: int
+    draining: int
+    kv_util: float | None
+    queue: int
+    arrival_rps: float
+    target: int
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FleetResult:
     outcomes: tuple[Outcome, ...]
     summary: dict[str, float | int | str]
+    timeline: tuple[Tick, ...] = ()  # with autoscaling: every tick
+    node_events: tuple[tuple[float, str, str], ...] = ()
+    """With autoscaling: (t, node, what) for ordered, ready, cancelled, draining, undrained and
+    stopped, in time order."""
 
 
 class _Node:
-    __slots__ = ("busy", "engine", "index", "node_id", "pos", "region", "result")
+    __slots__ = ("busy", "engine", "index", "node_id", "pos", "region", "result", "since", "state")
 
     def __init__(
         self, *, index: int, pos: int, node_id: NodeId, region: int, engine: Engine
@@ -197,10 +269,12 @@ class _Node:
         self.engine = engine
         self.busy = False
         self.result: StepResult | None = None  # the step in progress, landing at its end
+        self.state = _SERVING
+        self.since = 0.0  # when its GPU time began (its order)
 
 
 class _Region:
-    __slots__ = ("agents", "by_id", "kv_index", "nodes")
+    __slots__ = ("agents", "arrivals", "by_id", "kv_index", "nodes", "scaling")
 
     def __init__(self, *, nodes: list[_Node]) -> None:
         self.nodes = nodes
@@ -209,6 +283,8 @@ class _Region:
         # with kv_events: what every agent of the region knows from the engines' events (one
         # object: each agent subscribes to the same engines and sees the same events)
         self.kv_index: PreciseIndex | None = None
+        self.arrivals = 0  # since the autoscaler's last tick
+        self.scaling = autoscaling.State()
 
 
 class _Agent:
@@ -335,6 +411,11 @@ class Fleet:
         self.num_steps = 0
         self.num_decisions = 0
         self._cpu_s = 0.0
+        self._timeline: list[Tick] = []
+        self._node_events: list[tuple[float, str, str]] = []
+        self._gpu_s = 0.0  # GPU time of nodes that have stopped (the rest is added at the end)
+        self._end_s = 0.0
+        self._fresh_engines = random.Random(config.seed + 3)  # the engines of ordered nodes
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -364,6 +445,10 @@ class Fleet:
                 self._nodes.append(node)
             region = _Region(nodes=nodes)
             self._regions.append(region)
+            if cfg.autoscaling is not None:
+                for n in nodes[cfg.autoscaling.initial_nodes :]:
+                    n.state = _OFF
+                self._push(cfg.autoscaling.interval_s, _AUTOSCALE, r)
             if cfg.kv_events:
                 region.kv_index = PreciseIndex(
                     capacity_blocks=cfg.kv_capacity_blocks or count * self.profile.num_gpu_blocks,
@@ -447,6 +532,12 @@ class Fleet:
                 done += self._deadline(arg, now)
             elif kind == _KV_EVENTS:
                 self._kv_deliver(arg)
+            elif kind == _AUTOSCALE:
+                self._autoscale(arg, now)
+                if done < total and self.config.autoscaling is not None:
+                    self._push(now + self.config.autoscaling.interval_s, _AUTOSCALE, arg)
+            elif kind == _NODE_READY:
+                self._node_ready(self._nodes[arg], now)
             else:
                 self._engine_add(arg, now)
             if self._progress is not None and self._seq % 256 == 0:
@@ -462,10 +553,16 @@ class Fleet:
                     )
         wall_s = time.monotonic() - started
         self._cpu_s = time.process_time() - cpu_started
+        self._end_s = now
         outcomes = self._outcomes()
         if any(o.finished_s is None and o.refused is None for o in outcomes):
             raise RuntimeError("fleet simulation ended with unfinished requests")
-        return FleetResult(outcomes=outcomes, summary=self._summary(outcomes, wall_s))
+        return FleetResult(
+            outcomes=outcomes,
+            summary=self._summary(outcomes, wall_s),
+            timeline=tuple(self._timeline),
+            node_events=tuple(self._node_events),
+        )
 
     # -- agent -------------------------------------------------------------------------------
 
@@ -491,6 +588,7 @@ class Fleet:
             self._refused[i] = "too_large"
             return 1
         agent = self._agents[self._agent_of[i]]
+        agent.region.arrivals += 1
         if not agent.queue and self._try_route(agent, i, now):
             return 0
         if not admission.admit(len(agent.queue), max_depth=self.config.max_depth):
@@ -520,6 +618,8 @@ class Fleet:
         stale_limit = cfg.stale_limit_s
         views = agent.views
         for pos, node in enumerate(agent.region.nodes):
+            if node.state != _SERVING:
+                continue
             view = views[pos]
             if view is not None and not cfg.fresh:
                 scrape = agent.scrape[pos]
@@ -693,11 +793,131 @@ class Fleet:
             self._start_step(node, now)
         else:
             node.busy = False
+            if node.state == _DRAINING:
+                self._stop(node, now)
         if result.finished:  # a slot freed: wake every agent of the region that has a queue
             for agent in self._regions[node.region].agents:
                 if agent.queue:
                     self._pump(agent, now)
         return len(result.finished)
+
+    # -- autoscaling -------------------------------------------------------------------------
+
+    def _autoscale(self, r: int, now: float) -> None:
+        """The region's autoscaler ticks: measure, decide, act."""
+        scaling = self.config.autoscaling
+        assert scaling is not None
+        region = self._regions[r]
+        serving = [n for n in region.nodes if n.state == _SERVING]
+        pending = sum(1 for n in region.nodes if n.state == _PENDING)
+        draining = [n for n in region.nodes if n.state == _DRAINING]
+        kv = sum(n.engine.kv_usage for n in serving) / len(serving) if serving else None
+        queue = sum(len(a.queue) for a in region.agents) + sum(
+            n.engine.num_waiting for n in (*serving, *draining)
+        )
+        rate = region.arrivals / scaling.interval_s
+        region.arrivals = 0
+        decision, region.scaling = autoscaling.decide(
+            scaling.policy,
+            region.scaling,
+            autoscaling.Signals(
+                now=now,
+                serving=len(serving),
+                pending=pending,
+                kv_util=kv,
+                queue=queue,
+                arrival_rps=rate,
+                node_capacity_rps=scaling.node_capacity_rps,
+                floor_nodes=scaling.floor_nodes,
+                horizon_s=scaling.provision_delay_s + scaling.interval_s,
+            ),
+        )
+        self._timeline.append(
+            Tick(
+                t=now,
+                serving=len(serving),
+                pending=pending,
+                draining=len(draining),
+                kv_util=kv,
+                queue=queue,
+                arrival_rps=rate,
+                target=decision.target,
+                kind=decision.kind,
+                reason=decision.reason,
+            )
+        )
+        self._scale_to(region, decision.target, now)
+
+    def _scale_to(self, region: _Region, target: int, now: float) -> None:
+        scaling = self.config.autoscaling
+        assert scaling is not None
+        nodes = region.nodes
+        supply = sum(1 for n in nodes if n.state in (_SERVING, _PENDING))
+        # more: a draining node serves again at once; then nodes are ordered
+        for n in nodes:
+            if supply >= target:
+                break
+            if n.state == _DRAINING:
+                n.state = _SERVING
+                supply += 1
+                self._node_events.append((now, n.node_id, "undrained"))
+                self._node_changed(region, n, now)
+        for n in nodes:
+            if supply >= target:
+                break
+            if n.state == _OFF:
+                n.state = _PENDING
+                n.since = now
+                supply += 1
+                self._node_events.append((now, n.node_id, "ordered"))
+                self._push(now + scaling.provision_delay_s, _NODE_READY, n.index)
+        # fewer: the newest orders are cancelled, then the node with the least work drains
+        for n in reversed(nodes):
+            if supply <= target:
+                break
+            if n.state == _PENDING:
+                self._node_events.append((now, n.node_id, "cancelled"))
+                self._stop(n, now)
+                supply -= 1
+        while supply > target:
+            serving = [n for n in nodes if n.state == _SERVING]
+            victim = min(
+                serving, key=lambda n: (n.engine.num_running + n.engine.num_waiting, -n.pos)
+            )
+            victim.state = _DRAINING
+            supply -= 1
+            self._node_events.append((now, victim.node_id, "draining"))
+            if not victim.busy and not victim.engine.has_unfinished:
+                self._stop(victim, now)
+
+    def _node_ready(self, node: _Node, now: float) -> None:
+        if node.state != _PENDING:  # cancelled while it was on its way
+            return
+        node.state = _SERVING
+        self._node_events.append((now, node.node_id, "ready"))
+        node.engine = Engine(
+            self.profile,
+            rng=random.Random(self._fresh_engines.getrandbits(64)),
+            record_events=False,
+            event_token_ids=False,
+        )
+        region = self._regions[node.region]
+        self._node_changed(region, node, now)
+
+    def _node_changed(self, region: _Region, node: _Node, now: float) -> None:
+        """``node`` serves (again): the agents forget what they scraped and route to it."""
+        for agent in region.agents:
+            agent.views[node.pos] = None
+            agent.scrape[node.pos] = None
+        for agent in region.agents:
+            if agent.queue:
+                self._pump(agent, now)
+
+    def _stop(self, node: _Node, now: float) -> None:
+        if node.state != _PENDING:
+            self._node_events.append((now, node.node_id, "stopped"))
+        self._gpu_s += now - node.since
+        node.state = _OFF
 
     # -- results -----------------------------------------------------------------------------
 
@@ -751,6 +971,7 @@ class Fleet:
         preemptions = sum(n.engine.stats.num_preemptions for n in self._nodes)
         index_bytes = [routing.prefix_index_bytes(a.policy) for a in self._agents]
         cfg = self.config
+        gpu_s = self._gpu_s + sum(self._end_s - n.since for n in self._nodes if n.state != _OFF)
         return {
             "policy": cfg.policy,
             "nodes": cfg.nodes,
@@ -789,6 +1010,10 @@ class Fleet:
             "cpu_s": self._cpu_s,
             "engine_steps": self.num_steps,
             "decisions": self.num_decisions,
+            # GPU time from each node's order to its stop (without autoscaling: every node, all
+            # the run), and the nodes that time averages to
+            "gpu_hours": gpu_s / 3600.0,
+            "nodes_mean": gpu_s / self._end_s if self._end_s > 0 else float(cfg.nodes),
         }
 
 
