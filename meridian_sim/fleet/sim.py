@@ -513,6 +513,7 @@ class Fleet:
         done = 0
         next_report = started + 2.0
         now = 0.0
+        end: float | None = None  # when the last request ended
         events = self._events
         while events:
             now, _, kind, arg = heapq.heappop(events)
@@ -540,6 +541,8 @@ class Fleet:
                 self._node_ready(self._nodes[arg], now)
             else:
                 self._engine_add(arg, now)
+            if end is None and done >= total:
+                end = now
             if self._progress is not None and self._seq % 256 == 0:
                 wall = time.monotonic()
                 if wall >= next_report:
@@ -553,7 +556,8 @@ class Fleet:
                     )
         wall_s = time.monotonic() - started
         self._cpu_s = time.process_time() - cpu_started
-        self._end_s = now
+        # GPU time ends with the last request (nodes still on their way then do not count on)
+        self._end_s = now if end is None else end
         outcomes = self._outcomes()
         if any(o.finished_s is None and o.refused is None for o in outcomes):
             raise RuntimeError("fleet simulation ended with unfinished requests")
