@@ -201,6 +201,7 @@ def create_app(
         clock=clock,
         drain_timeout_s=settings.health.drain_timeout_s,
         rng=random.Random(rng.random()),
+        dispatcher=dispatcher,
     )
     if scaler is not None:
         app[AUTOSCALER] = scaler

@@ -39,7 +39,7 @@ from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import hygiene, loops, otlp
 from meridian_service import settings as settings_loading
 from meridian_service import tls as tls_module
-from policies import group_routing, routing
+from policies import autoscaling, group_routing, routing
 
 
 class _Group(BaseModel):
@@ -970,6 +970,97 @@ class GroupTableSettings(_Group):
     )
 
 
+_LOAD_DEFAULTS = autoscaling.Config()
+
+
+class AutoscalerLoadSettings(_Group):
+    """The region's own load as a floor (``[autoscaler.load]``; docs/autoscaling.md): the
+    reactive and predictive policies of ``policies.autoscaling`` on the nodes' KV-cache use, the
+    queue and the arrival rate.  The defaults are the seed's production policy."""
+
+    policy: Literal["off", "reactive", "predictive", "combined"] = Field(
+        "off",
+        description="off: only the controller's floor; reactive (thresholds), predictive (the "
+        "arrival rate's forecast) or combined (the larger of both; the controller's floor "
+        "still holds)",
+    )
+    min_nodes: int = Field(_LOAD_DEFAULTS.min_nodes, ge=0, description="fewest nodes it keeps")
+    max_nodes: int = Field(
+        _LOAD_DEFAULTS.max_nodes, ge=1, description="most nodes it asks for, the region's whole"
+    )
+    scale_up_kv_util: float = Field(
+        _LOAD_DEFAULTS.scale_up_kv_util, ge=0, le=1,
+        description="scale up when the serving nodes' mean KV-cache use stays above this",
+    )  # fmt: skip
+    scale_up_kv_for_s: float = Field(
+        _LOAD_DEFAULTS.scale_up_kv_for_s, ge=0, description="... for this long (seconds)"
+    )
+    scale_up_queue: int = Field(
+        _LOAD_DEFAULTS.scale_up_queue, ge=0,
+        description="or when the requests waiting (the agent's queue and the engines') stay "
+        "above this",
+    )  # fmt: skip
+    scale_up_queue_for_s: float = Field(
+        _LOAD_DEFAULTS.scale_up_queue_for_s, ge=0, description="... for this long (seconds)"
+    )
+    scale_up_step: float = Field(
+        _LOAD_DEFAULTS.scale_up_step, gt=0,
+        description="a step up adds this fraction of the serving nodes (at least one)",
+    )  # fmt: skip
+    scale_up_cooldown_s: float = Field(
+        _LOAD_DEFAULTS.scale_up_cooldown_s, ge=0, description="seconds between steps up"
+    )
+    scale_down_kv_util: float = Field(
+        _LOAD_DEFAULTS.scale_down_kv_util, ge=0, le=1,
+        description="scale down only when KV-cache use stays below this (below scale_up_kv_util)",
+    )  # fmt: skip
+    scale_down_queue: int = Field(
+        _LOAD_DEFAULTS.scale_down_queue, ge=0,
+        description="... and the queue below this (below scale_up_queue)",
+    )  # fmt: skip
+    scale_down_for_s: float = Field(
+        _LOAD_DEFAULTS.scale_down_for_s, ge=0,
+        description="... for this long; each step down waits this long again (seconds)",
+    )  # fmt: skip
+    scale_down_step: int = Field(
+        _LOAD_DEFAULTS.scale_down_step, ge=1, description="nodes a step down removes"
+    )
+    provision_delay_s: float = Field(
+        120.0, ge=0,
+        description="how long a new node takes to serve (warm standby about 120, cold 480-900): "
+        "the forecast looks this far ahead",
+    )  # fmt: skip
+    node_capacity_rps: float | None = Field(
+        None, gt=0,
+        description="one node's measured capacity in requests/s on this traffic, for the "
+        "forecast (benchmarks/node_load_curve.py measures it); unset: no predictive demand",
+    )  # fmt: skip
+    target_utilisation: float = Field(
+        _LOAD_DEFAULTS.target_utilisation, gt=0, le=1,
+        description="the forecast's demand keeps nodes at this fraction of their capacity",
+    )  # fmt: skip
+    level_smoothing: float = Field(
+        _LOAD_DEFAULTS.level_smoothing, gt=0, le=1, description="the forecast's level (alpha)"
+    )
+    trend_smoothing: float = Field(
+        _LOAD_DEFAULTS.trend_smoothing, gt=0, le=1, description="the forecast's trend (beta)"
+    )
+
+    @model_validator(mode="after")
+    def _asymmetric(self) -> AutoscalerLoadSettings:
+        if self.policy != "off":
+            self.config()  # its ValueError names the fields (scale_down_kv_util, ...)
+        return self
+
+    def config(self) -> autoscaling.Config:
+        """The policy's pure configuration ("off" gives the combined policy's)."""
+        mode: autoscaling.Mode = "combined" if self.policy == "off" else self.policy
+        fields = {
+            n: getattr(self, n) for n in autoscaling.Config.__dataclass_fields__ if n != "mode"
+        }
+        return autoscaling.Config(mode=mode, **fields)
+
+
 class AutoscalerSettings(_Group):
     """What the agent does with the capacity floor the controller asks of it."""
 
@@ -1004,6 +1095,11 @@ class AutoscalerSettings(_Group):
     max_nodes: int = Field(4, ge=0, description="simulator actuator: most nodes it runs at once")
     start_timeout_s: float = Field(
         30.0, gt=0, description="simulator actuator: time a node gets to print READY (seconds)"
+    )
+    load: AutoscalerLoadSettings = Field(
+        AutoscalerLoadSettings(),
+        description="the region's own load as a floor: the reactive and predictive policies "
+        "(docs/autoscaling.md); off by default",
     )
 
     @model_validator(mode="after")

@@ -72,9 +72,22 @@ def render() -> str:
         if group is None:
             continue
         lines += ["| setting | default | meaning |", "|---|---|---|"]
+        nested: list[tuple[str, type[BaseModel], str]] = []
         for sub, f in group.model_fields.items():
+            kind = f.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                nested.append((sub, kind, f.description or ""))
+                lines.append(f"| `{sub}` | | the `[{name}.{sub}]` table below |")
+                continue
             lines.append(f"| `{sub}` | {_default(f)} | {f.description or ''} |")
         lines.append("")
+        for sub, model, description in nested:
+            lines += [f"### `[{name}.{sub}]`", "", description, ""] if description else [
+                f"### `[{name}.{sub}]`", ""]  # fmt: skip
+            lines += ["| setting | default | meaning |", "|---|---|---|"]
+            for leaf, f in model.model_fields.items():
+                lines.append(f"| `{leaf}` | {_default(f)} | {f.description or ''} |")
+            lines.append("")
         if name == "routing":
             lines += [
                 "`[routing.tuning]` accepts these `policies.routing.RoutingConfig` fields "

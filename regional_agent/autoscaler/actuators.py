@@ -38,6 +38,10 @@ class Actuator(Protocol):
         """The agent stops: undo what must not outlive it."""
         ...
 
+    def pending(self) -> int:
+        """Nodes ordered and not yet serving, as far as the actuator knows (0: it cannot tell)."""
+        ...
+
 
 class DryRun:
     """Logs what it would do; changes nothing."""
@@ -65,6 +69,9 @@ class DryRun:
 
     async def close(self) -> None:
         return None
+
+    def pending(self) -> int:
+        return 0
 
 
 class Command:
@@ -134,6 +141,9 @@ class Command:
 
     async def close(self) -> None:
         return None
+
+    def pending(self) -> int:
+        return 0
 
 
 async def _kill(process: asyncio.subprocess.Process) -> None:

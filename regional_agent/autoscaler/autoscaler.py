@@ -2,7 +2,12 @@
 actuator every ``autoscaler.interval_s``, and at once when the floor changes.
 
 The floor comes from the controller, through the publisher (``regions/<r>/desired``); until
-one is read it is 0 and no actuator does anything.  An actuator that fails is logged once and
+one is read it is 0 and no actuator does anything.  With ``autoscaler.load.policy`` set, the
+region's own load raises it: every tick the loop measures the serving nodes, their mean KV-cache
+use (from the scrapes), the requests waiting (the central queue and the engines') and the
+arrival rate, asks ``policies.autoscaling.decide`` for a node count, and hands the actuator the
+larger of the controller's floor and that count times ``autoscaler.node_weight``.  Each decision
+that changes the count is logged with its reason.  An actuator that fails is logged once and
 retried with backoff; the agent keeps serving either way.
 """
 
@@ -11,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 
 from meridian_service.clock import Clock
+from policies import autoscaling
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 from regional_agent.errors import ActuatorError
 from regional_agent.nodes import NodePool
+from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff
 from regional_agent.roster import Roster
 from regional_agent.settings import AutoscalerSettings
@@ -36,17 +44,25 @@ class Autoscaler:
         pool: NodePool,
         clock: Clock,
         rng: random.Random,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._pool = pool
+        self._dispatcher = dispatcher
         self._clock = clock
         self.actuator = actuator
         self._settings = settings
         self._backoff = Backoff(
             base_s=settings.interval_s, max_s=max(_RETRY_MAX_S, settings.interval_s), rng=rng
         )
-        self.floor = 0.0
+        self.floor = 0.0  # the controller's
         self._wake = asyncio.Event()
         self.failing: str | None = None  # the error the last ensure() met, if it failed
+        load = settings.load
+        self._load = None if load.policy == "off" else load.config()
+        self._load_state = autoscaling.State()
+        self.decision: autoscaling.Decision | None = None  # the load policy's last
+        self.load_target: int | None = None  # the node count its last up or down asked for
+        self._arrivals: tuple[float, int] | None = None  # (when, dispatcher arrivals then)
 
     def set_floor(self, floor: float) -> None:
         if floor != self.floor:
@@ -64,18 +80,74 @@ class Autoscaler:
         """The region's healthy capacity: the weights of active, healthy nodes summed."""
         return sum(v.weight for v in self._pool.serving(now=self._clock.now()))
 
+    def signals(self) -> autoscaling.Signals:
+        """The region's load now, as the load policy reads it."""
+        now = self._clock.now()
+        serving = self._pool.serving(now=now)
+        kvs = [v.telemetry.kv_util for v in serving if v.telemetry is not None]
+        waiting = sum(v.queue_depth or 0 for v in serving)
+        queue = waiting + (self._dispatcher.depth() if self._dispatcher is not None else 0)
+        rate: float | None = None
+        if self._dispatcher is not None:
+            count = self._dispatcher.stats.arrivals
+            if self._arrivals is not None and now > self._arrivals[0]:
+                rate = (count - self._arrivals[1]) / (now - self._arrivals[0])
+            self._arrivals = (now, count)
+        load = self._settings.load
+        return autoscaling.Signals(
+            now=now,
+            serving=len(serving),
+            pending=self.actuator.pending(),
+            kv_util=sum(kvs) / len(kvs) if kvs else None,
+            queue=queue,
+            arrival_rps=rate,
+            node_capacity_rps=load.node_capacity_rps,
+            floor_nodes=math.ceil(self.floor / self._settings.node_weight - 1e-9),
+            horizon_s=load.provision_delay_s + self._settings.interval_s,
+        )
+
+    def effective_floor(self) -> float:
+        """The controller's floor, raised by the load policy's node count when it has one."""
+        if self._load is None:
+            return self.floor
+        signals = self.signals()
+        decision, self._load_state = autoscaling.decide(self._load, self._load_state, signals)
+        previous = self.decision
+        self.decision = decision
+        # a hold keeps the count the last step asked for: the actuator may still be on its way
+        # there (a stop waits autoscaler.scale_down_delay_s), and a node lost meanwhile is one
+        # to replace, not a new count
+        if decision.kind != "hold" or self.load_target is None:
+            self.load_target = decision.target
+        if decision.kind != "hold" or previous is None:
+            log.info(
+                "autoscaler load policy=%s decision=%s target=%d serving=%d pending=%d "
+                "kv_util=%s queue=%d arrival_rps=%s reason=%r",
+                self._load.mode,
+                decision.kind,
+                decision.target,
+                signals.serving,
+                signals.pending,
+                "unknown" if signals.kv_util is None else f"{signals.kv_util:.2f}",
+                signals.queue,
+                "unknown" if signals.arrival_rps is None else f"{signals.arrival_rps:.2f}",
+                decision.reason,
+            )
+        return max(self.floor, self.load_target * self._settings.node_weight)
+
     async def run(self) -> None:
         while True:
             self._wake.clear()
             try:
-                await self.actuator.ensure(floor=self.floor, current=self.current())
+                floor = self.effective_floor()
+                await self.actuator.ensure(floor=floor, current=self.current())
             except ActuatorError as exc:
                 if self.failing is None:
                     log.warning(
                         "autoscaler actuator failed actuator=%s floor=%g error=%s: retrying "
                         "with backoff",
                         self.actuator.name,
-                        self.floor,
+                        floor,
                         exc.message,
                     )
                 self.failing = exc.message
@@ -103,6 +175,7 @@ def create(
     clock: Clock,
     drain_timeout_s: float,
     rng: random.Random,
+    dispatcher: Dispatcher | None = None,
 ) -> Autoscaler | None:
     """The autoscaler ``settings`` ask for; ``None`` for ``actuator = "none"``."""
     actuator: Actuator
@@ -119,4 +192,11 @@ def create(
             settings=settings, pool=pool, roster=roster, clock=clock,
             drain_timeout_s=drain_timeout_s,
         )  # fmt: skip
-    return Autoscaler(actuator=actuator, settings=settings, pool=pool, clock=clock, rng=rng)
+    return Autoscaler(
+        actuator=actuator,
+        settings=settings,
+        pool=pool,
+        clock=clock,
+        rng=rng,
+        dispatcher=dispatcher,
+    )

@@ -97,6 +97,15 @@ class SimulatorActuator:
         if step.start:
             await self._bring(step.start, draining, floor=floor, current=current)
 
+    def pending(self) -> int:
+        """Nodes it started, not draining, that do not serve yet (on probation, say)."""
+        serving = {v.node_id for v in self._pool.serving(now=self._clock.now())}
+        return sum(
+            1
+            for s in self.started.values()
+            if s.draining_since is None and s.node_id not in serving
+        )
+
     async def close(self) -> None:
         started = list(self.started.values())
         await asyncio.gather(*(self._stop(s, why="the agent is stopping") for s in started))

@@ -75,6 +75,7 @@ class _Waiter:
 class DispatchStats:
     routed: Counter[str] = field(default_factory=Counter)  # by policy reason
     rejected: Counter[str] = field(default_factory=Counter)  # by cause
+    arrivals: int = 0  # requests asked for a slot, retries not counted (the autoscaler's rate)
 
 
 class Dispatcher:
@@ -118,6 +119,8 @@ class Dispatcher:
     ) -> Lease:
         """Wait for a slot; raises UnknownModel, NoCapacity, QueueFull or DeadlineExceeded."""
         now = self._clock.now()
+        if not exclude:
+            self.stats.arrivals += 1
         views = self._pool.views(now=now)
         routable = views.routable(request.model)  # computed once per change of the pool
         if not routable and not any(request.model in v.models for v in views):

@@ -293,3 +293,72 @@ async def test_set_floor_wakes_the_loop(start_agent: AgentFactory, sim_node: Nod
         lambda: scaler.actuator._said == (5, 4.0),  # type: ignore[attr-defined]
         what="the actuator called at once, not an hour later",
     )
+
+
+# -- the load policy (autoscaler.load) ---------------------------------------------------------
+
+
+async def test_the_load_policy_starts_a_node_for_a_queue_that_lasts_and_stops_it_when_quiet(
+    sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No controller floor here: the region's own queue (one slot on the static node, twenty
+    requests at once) raises the floor, the started node takes its share, and once the queue has
+    stayed empty for scale_down_for_s the floor falls back and the node is stopped."""
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    own_url = await sim_node(profile_name="cpu-tiny", time_scale=1.0)
+    load = {
+        "policy": "reactive",
+        "scale_up_queue": 4,
+        "scale_up_queue_for_s": 0.4,
+        "scale_up_cooldown_s": 1.0,
+        "scale_up_step": 1.0,
+        "scale_down_queue": 1,
+        "scale_down_for_s": 1.0,
+        "max_nodes": 2,
+    }
+    starter = AgentStarter()
+    try:
+        handle = await starter(
+            [own_url],
+            policy="least_connections",
+            nodes=[{"url": own_url, "slots": 1}],
+            autoscaler=_simulator(max_nodes=1, load=load),
+        )
+        scaler = handle.autoscaler
+        assert scaler is not None
+        actuator = _actuator(handle)
+        pool = handle.edge.pool
+        await eventually(lambda: pool.models() == {MODEL}, what="models known")
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 200, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> int:
+                async with s.post(f"{handle.url}/v1/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            burst = [asyncio.ensure_future(one()) for _ in range(20)]
+            started = await eventually(
+                lambda: next(iter(actuator.started.values()), None),
+                what="a node started for the queue",
+                timeout_s=60,
+            )
+            assert await asyncio.gather(*burst) == [200] * 20
+        node = pool.get(started.node_id)
+        assert node is not None and node.requests_total > 0  # it took some of the queue
+        assert scaler.floor == 0.0  # the controller asked for nothing
+        assert "decision=up target=2" in caplog.text and "queue" in caplog.text
+        await eventually(lambda: not actuator.started, what="the node stopped", timeout_s=60)
+        assert "decision=down target=1" in caplog.text
+        assert [n.url for n in pool] == [own_url]
+    finally:
+        await starter.close()
+
+
+def test_load_settings_that_would_scale_both_ways_are_refused_naming_both_fields() -> None:
+    from regional_agent.settings import Settings
+
+    with pytest.raises(ValueError, match=r"scale_down_kv_util \(0.8\).*scale_up_kv_util"):
+        Settings(nodes=[], autoscaler={"load": {"policy": "combined", "scale_down_kv_util": 0.8}})
+    # with the policy off, the thresholds are not read
+    Settings(nodes=[], autoscaler={"load": {"scale_down_kv_util": 0.8}})
