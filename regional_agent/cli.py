@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--actuator",
-        choices=["none", "dry-run", "command", "simulator"],
+        choices=["none", "dry-run", "command", "simulator", "webhook", "kubernetes"],
         help="what to do with the controller's capacity floor (autoscaler.actuator)",
     )
     p.add_argument(

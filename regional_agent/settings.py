@@ -971,6 +971,7 @@ class GroupTableSettings(_Group):
 
 
 _LOAD_DEFAULTS = autoscaling.Config()
+_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class AutoscalerLoadSettings(_Group):
@@ -1064,10 +1065,11 @@ class AutoscalerLoadSettings(_Group):
 class AutoscalerSettings(_Group):
     """What the agent does with the capacity floor the controller asks of it."""
 
-    actuator: Literal["none", "dry-run", "command", "simulator"] = Field(
+    actuator: Literal["none", "dry-run", "command", "simulator", "webhook", "kubernetes"] = Field(
         "none",
         description="none (ignore the floor), dry-run (log only), command (run a hook), "
-        "simulator (start meridian-sim nodes)",
+        "simulator (start meridian-sim nodes), webhook (a signed JSON POST), kubernetes (patch "
+        "the vLLM Deployment's scale subresource)",
     )
     interval_s: float = Field(2.0, gt=0, description="seconds between checks of the floor")
     scale_down_delay_s: float = Field(
@@ -1090,11 +1092,46 @@ class AutoscalerSettings(_Group):
     )
     time_scale: float = Field(1.0, gt=0, description="simulator actuator: --time-scale of nodes")
     node_weight: float = Field(
-        1.0, gt=0, description="simulator actuator: capacity of one new node (H100 = 1.0)"
+        1.0,
+        gt=0,
+        description="capacity of one new node (H100 = 1.0): the simulator's nodes, and what "
+        "webhook and kubernetes divide the floor by to count replicas",
     )
     max_nodes: int = Field(4, ge=0, description="simulator actuator: most nodes it runs at once")
     start_timeout_s: float = Field(
         30.0, gt=0, description="simulator actuator: time a node gets to print READY (seconds)"
+    )
+    webhook_url: str | None = Field(
+        None, description="webhook actuator: the URL it POSTs the replica count to"
+    )
+    webhook_secret_file: Path | None = Field(
+        None,
+        description="webhook actuator: file holding the HMAC-SHA256 key of X-Meridian-Signature",
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, description="webhook and kubernetes actuators: time limit of one call (s)"
+    )
+    kubernetes_api: str | None = Field(
+        None,
+        description="kubernetes actuator: the API server's URL; default "
+        "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT (in a pod)",
+    )
+    kubernetes_namespace: str | None = Field(
+        None,
+        description="kubernetes actuator: the Deployment's namespace; default the pod's "
+        "(the service account's namespace file)",
+    )
+    kubernetes_deployment: str | None = Field(
+        None, description="kubernetes actuator: the vLLM Deployment whose replicas it sets"
+    )
+    kubernetes_token_file: Path = Field(
+        Path(_SERVICE_ACCOUNT) / "token",
+        description="kubernetes actuator: the service-account token, re-read on every call",
+    )
+    kubernetes_ca_file: Path | None = Field(
+        Path(_SERVICE_ACCOUNT) / "ca.crt",
+        description="kubernetes actuator: the CA the API server's certificate is checked "
+        "against; unset: the system's",
     )
     load: AutoscalerLoadSettings = Field(
         AutoscalerLoadSettings(),
@@ -1106,7 +1143,51 @@ class AutoscalerSettings(_Group):
     def _command_given(self) -> AutoscalerSettings:
         if self.actuator == "command" and not self.command:
             raise ValueError("autoscaler.command is required with autoscaler.actuator = 'command'")
+        if self.actuator == "webhook":
+            if not self.webhook_url or urlsplit(self.webhook_url).scheme not in ("http", "https"):
+                raise ValueError(
+                    "autoscaler.webhook_url must be an http(s) URL with autoscaler.actuator = "
+                    f"'webhook', got {self.webhook_url!r}"
+                )
+            if self.webhook_secret_file is None or not self.webhook_secret_file.is_file():
+                raise ValueError(
+                    "autoscaler.webhook_secret_file must name a readable file with "
+                    f"autoscaler.actuator = 'webhook', got {self.webhook_secret_file}"
+                )
+        if self.actuator == "kubernetes":
+            if not self.kubernetes_deployment:
+                raise ValueError(
+                    "autoscaler.kubernetes_deployment is required with autoscaler.actuator = "
+                    "'kubernetes'"
+                )
+            if self.kubernetes_api_url() is None:
+                raise ValueError(
+                    "autoscaler.kubernetes_api is unset and KUBERNETES_SERVICE_HOST is not in "
+                    "the environment (not in a pod): set the API server's URL"
+                )
+            if self.kubernetes_namespace_name() is None:
+                raise ValueError(
+                    "autoscaler.kubernetes_namespace is unset and the service account's "
+                    f"namespace file {_SERVICE_ACCOUNT}/namespace cannot be read: set it"
+                )
         return self
+
+    def kubernetes_api_url(self) -> str | None:
+        if self.kubernetes_api:
+            return self.kubernetes_api
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        if not host:
+            return None
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    def kubernetes_namespace_name(self) -> str | None:
+        if self.kubernetes_namespace:
+            return self.kubernetes_namespace
+        try:
+            return (Path(_SERVICE_ACCOUNT) / "namespace").read_text().strip() or None
+        except OSError:
+            return None
 
 
 _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")

@@ -4,11 +4,22 @@
 ``plan``        the pure up-fast, down-slow decision of an actuator that runs nodes itself
 ``actuators``   the ``Actuator`` protocol, the dry-run and command actuators
 ``simulator_actuator``  the actuator that runs meridian-sim nodes
+``remote``      the webhook and Kubernetes actuators (HTTP)
 ``autoscaler``  the loop, and ``create(settings, ...)``
 """
 
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
 from regional_agent.autoscaler.autoscaler import Autoscaler, create
+from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 
-__all__ = ["Actuator", "Autoscaler", "Command", "DryRun", "SimulatorActuator", "create"]
+__all__ = [
+    "Actuator",
+    "Autoscaler",
+    "Command",
+    "DryRun",
+    "Kubernetes",
+    "SimulatorActuator",
+    "Webhook",
+    "create",
+]

@@ -22,6 +22,7 @@ import random
 from meridian_service.clock import Clock
 from policies import autoscaling
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
+from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 from regional_agent.errors import ActuatorError
 from regional_agent.nodes import NodePool
@@ -186,6 +187,28 @@ def create(
     elif settings.actuator == "command":
         actuator = Command(
             argv=settings.command, timeout_s=settings.command_timeout_s, region=region
+        )
+    elif settings.actuator == "webhook":
+        assert settings.webhook_url is not None and settings.webhook_secret_file is not None
+        actuator = Webhook(
+            url=settings.webhook_url,
+            secret_file=settings.webhook_secret_file,
+            timeout_s=settings.request_timeout_s,
+            region=region,
+            node_weight=settings.node_weight,
+        )
+    elif settings.actuator == "kubernetes":
+        api, namespace = settings.kubernetes_api_url(), settings.kubernetes_namespace_name()
+        assert api is not None and namespace is not None and settings.kubernetes_deployment
+        actuator = Kubernetes(
+            api=api,
+            namespace=namespace,
+            deployment=settings.kubernetes_deployment,
+            token_file=settings.kubernetes_token_file,
+            ca_file=settings.kubernetes_ca_file,
+            timeout_s=settings.request_timeout_s,
+            node_weight=settings.node_weight,
+            follow=settings.load.policy != "off",
         )
     else:
         actuator = SimulatorActuator(
