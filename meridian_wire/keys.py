@@ -13,6 +13,8 @@ regions/<r>/desired                            controller  ``RegionDesired`` JSO
 regions/<r>/health                             controller  ``RegionHealth`` JSON (judged state)
 regions/<r>/override                           operator    ``RegionOverride`` JSON: manual
                                                            failover or drain, until cleared
+regions/<r>/agents/_autoscaler                agent <a>   ``<a>``, under its lease: the one
+                                                           replica whose autoscaler acts
 routing/<r>/groups/<kind>-<first>             agent       ``GroupTable`` JSON, under the writer's
                                                            lease: buckets [first, end) -> group
 controller/leader                              controller  leader id, under the election lease
@@ -63,6 +65,12 @@ def agent_alive(region: str, agent: str) -> str:
 
 def agent_status(region: str, agent: str) -> str:
     return f"{agents(region)}{_agent(agent)}/status"
+
+
+def autoscaler_actor(region: str) -> str:
+    """The replica whose autoscaler acts for ``region`` (``_`` starts no agent id, so it is no
+    agent's key; it is under ``agents/`` so the agent's etcd role may write it)."""
+    return f"{agents(region)}_autoscaler"
 
 
 def _agent(agent: str) -> str:

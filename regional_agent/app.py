@@ -221,7 +221,10 @@ def create_app(
             on_floor=None if scaler is None else scaler.set_floor,
             tables=group_tables,
             on_replicas=edge.tenants.set_replicas,
+            on_actor=None if scaler is None else scaler.set_acting,
         )
+        if scaler is not None:
+            scaler.acting = False  # until this replica holds the region's autoscaler key
     if kv is not None:
         app[KV_EVENTS] = kv
         instruments.watch_kv_events(
@@ -392,6 +395,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         supervised("alive", publisher.alive_loop)
         supervised("status", publisher.status_loop)
         supervised("desired", publisher.desired_loop)
+        if publisher.on_actor is not None:
+            supervised("autoscaler-actor", publisher.actor_loop)
         if publisher.tables is not None:
             supervised("tables-watch", publisher.tables.watch_loop)
             supervised("tables-flush", publisher.tables.flush_loop)

@@ -64,6 +64,9 @@ class Autoscaler:
         self.decision: autoscaling.Decision | None = None  # the load policy's last
         self.load_target: int | None = None  # the node count its last up or down asked for
         self._arrivals: tuple[float, int] | None = None  # (when, dispatcher arrivals then)
+        # with a publisher, only the replica holding regions/<r>/agents/_autoscaler acts
+        self.acting = True
+        self.actor: str | None = None  # the replica that does, when another one
 
     def set_floor(self, floor: float) -> None:
         if floor != self.floor:
@@ -75,6 +78,11 @@ class Autoscaler:
                 self.current(),
             )
             self.floor = floor
+            self._wake.set()
+
+    def set_acting(self, acting: bool, actor: str | None) -> None:
+        self.acting, self.actor = acting, None if acting else actor
+        if acting:
             self._wake.set()
 
     def current(self) -> float:
@@ -139,6 +147,11 @@ class Autoscaler:
     async def run(self) -> None:
         while True:
             self._wake.clear()
+            if not self.acting:  # another replica acts for the region
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._settings.interval_s):
+                        await self._wake.wait()
+                continue
             try:
                 floor = self.effective_floor()
                 await self.actuator.ensure(floor=floor, current=self.current())

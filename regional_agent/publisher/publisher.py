@@ -21,6 +21,11 @@ them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
   region are alive (their ``alive`` keys, this one always counted) and hands the count and
   this replica's rank in it to ``on_replicas`` on every change (the tenants' rate-limit
   shares).  When etcd is unreachable the last count stays in force (fail static).
+* :meth:`Publisher.actor_loop` — ``regions/<r>/agents/_autoscaler``: with an autoscaler, the
+  replica that acts for the region claims this key under its lease (create-if-absent), and
+  ``on_actor`` tells its autoscaler whether it holds it; the others stand by and take over once
+  the holder's lease is gone.  Unconfirmed for a whole lease TTL (etcd unreachable), it stops
+  acting: two replicas never act at once, by the lease's own guarantee.
 * ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``group_routing/sync.py``) — the group
   tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them, under this
   publisher's lease.
@@ -151,6 +156,7 @@ class Publisher:
         wall: Callable[[], float] = time.time,
         tables: GroupTables | None = None,
         on_replicas: Callable[[int, int], None] | None = None,
+        on_actor: Callable[[bool, str | None], None] | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
@@ -160,6 +166,7 @@ class Publisher:
         self._clock = clock
         self._on_floor = on_floor
         self.on_replicas = on_replicas
+        self.on_actor = on_actor
         self.replicas: tuple[str, ...] = ()  # live replicas of the region, this one included
         self._wall = wall
         self._rng = rng
@@ -266,6 +273,46 @@ class Publisher:
             except etcd.EtcdError as exc:
                 self.link.failed(exc)
                 delay_s = min(backoff.next_s(), refresh_s)
+            await asyncio.sleep(delay_s)
+
+    async def actor_loop(self) -> None:
+        """Claim the region's autoscaler key while this replica lives; tell ``on_actor``."""
+        on_actor = self.on_actor
+        if on_actor is None:
+            return
+        key = keys.autoscaler_actor(self.region)
+        ttl_s = self._settings.lease_ttl_s
+        confirmed_at = float("-inf")
+        acting: bool | None = None
+        holder_id: str | None = None
+        told: str | None = None  # the holder on_actor was last told of
+        backoff = self._backoff()
+        while True:
+            now = self._clock.now()
+            lease = self._lease
+            mine = acting is True and now - confirmed_at < ttl_s
+            delay_s = ttl_s / 3 if lease is not None else 0.1  # no lease yet: soon again
+            if lease is not None:
+                try:
+                    got = await self._store.claim(key, self.agent_id.encode(), lease=lease)
+                    self._answered()
+                    backoff.reset()
+                    mine = got is not None and got.lease == lease.id
+                    holder_id = None if got is None else got.value.decode(errors="replace")
+                    if mine:
+                        confirmed_at = self._clock.now()
+                    elif got is None:
+                        delay_s = 0.0  # it expired between the two calls: claim again now
+                except etcd.EtcdError as exc:
+                    self.link.failed(exc)
+                    delay_s = min(backoff.next_s(), ttl_s / 3)
+            if mine != acting or (not mine and holder_id != told):
+                acting, told = mine, holder_id
+                if mine:
+                    log.info("autoscaler actor: this replica acts region=%s", self.region)
+                else:
+                    log.info("autoscaler standing by region=%s actor=%s", self.region, holder_id)
+                on_actor(mine, holder_id)
             await asyncio.sleep(delay_s)
 
     async def _check_alive(self, key: str, lease: etcd.Lease) -> None:

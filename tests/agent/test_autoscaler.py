@@ -12,11 +12,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from meridian_wire import keys
 from meridian_wire.models import RegionStatus
 from regional_agent.autoscaler import Autoscaler, Command, DryRun, SimulatorActuator, plan
 from regional_agent.errors import ActuatorError
 from tests.agent import publishing
-from tests.agent.publishing import eventually, put_desired, region, status
+from tests.agent.publishing import REGION, eventually, put_desired, region, status
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
@@ -362,3 +363,43 @@ def test_load_settings_that_would_scale_both_ways_are_refused_naming_both_fields
         Settings(nodes=[], autoscaler={"load": {"policy": "combined", "scale_down_kv_util": 0.8}})
     # with the policy off, the thresholds are not read
     Settings(nodes=[], autoscaler={"load": {"scale_down_kv_util": 0.8}})
+
+
+# -- one acting replica per region ---------------------------------------------------------------
+
+
+async def test_one_replica_of_a_region_acts_and_another_takes_over_when_it_stops(
+    etcd: EtcdServer, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two replicas of a region, each with an actuator: only the one holding
+    regions/<r>/agents/_autoscaler (under its lease, in a real etcd) acts; when it stops, its
+    lease is revoked and the other one takes over."""
+    caplog.set_level(logging.INFO, logger="regional_agent")
+    url = await sim_node(profile_name="cpu-tiny")
+    first, second = AgentStarter(), AgentStarter()
+    try:
+        scalers = []
+        for starter, name in ((first, "agent-a"), (second, "agent-b")):
+            handle = await starter(
+                [url],
+                region=region(etcd, agent_id=name),
+                autoscaler={"actuator": "dry-run", "interval_s": 0.1},
+            )
+            assert handle.autoscaler is not None
+            scalers.append(handle.autoscaler)
+        a, b = scalers
+        await eventually(lambda: a.acting or b.acting or None, what="an actor")
+        await asyncio.sleep(1.5)  # several claims later, still exactly one
+        assert a.acting != b.acting
+        actor, other = (a, b) if a.acting else (b, a)
+        assert other.actor == ("agent-a" if actor is a else "agent-b")
+        async with publishing.client(etcd) as c:
+            got = await c.get(keys.autoscaler_actor(REGION).encode())
+            assert got is not None and got.value.decode() == other.actor
+        await (first if actor is a else second).close()
+        await eventually(lambda: other.acting or None, what="the other replica acts", timeout_s=10)
+        assert "autoscaler actor: this replica acts" in caplog.text
+        assert "autoscaler standing by" in caplog.text
+    finally:
+        await first.close()
+        await second.close()
