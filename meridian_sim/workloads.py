@@ -531,7 +531,9 @@ def shaped(
     """
     if base_rps <= 0 or duration_s <= 0:
         raise ValueError("base_rps and duration_s must be positive")
-    points = sorted(shape)
+    points = list(shape)
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(points)):
+        raise ValueError("shape's times must increase strictly (a step is two close points)")
     if not points or points[0][0] != 0 or any(m <= 0 for _, m in points):
         raise ValueError("shape must start at t = 0, with multipliers > 0")
     base = scale_to_rate(requests, rate_per_s=base_rps)

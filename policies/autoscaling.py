@@ -9,8 +9,8 @@ signals, ``now`` and the previous :class:`State`, and gets a :class:`Decision` a
   stayed below ``scale_down_kv_util`` *and* the queue below ``scale_down_queue`` for
   ``scale_down_for_s``, and then wait that long again before the next step.  While nodes it
   ordered are still provisioning it orders no more on utilisation (they are what utilisation
-  asks for), only on a queue that has kept growing past its threshold, and at most once per
-  ``scale_up_cooldown_s``.
+  asks for), only on a queue still above its threshold, and at most once per
+  ``scale_up_cooldown_s``.  With nothing serving, any request waiting or arriving asks for one.
 * **Predictive**: Holt's linear exponential smoothing of the arrival rate (a level and a trend,
   updated every sample), forecast ``horizon_s`` ahead (the provisioning delay plus one interval:
   what is ordered now serves then), sized with a node's measured capacity at
@@ -200,7 +200,9 @@ def decide(config: Config, state: State, signals: Signals) -> tuple[Decision, St
     if c.mode == "predictive":
         low = predictive is not None and predictive < supply
     else:
-        low = (kv is None or kv < c.scale_down_kv_util) and s.queue < c.scale_down_queue
+        # no measure of the serving nodes' cache (scrapes failing) is not a quiet region
+        known = kv is not None or s.serving == 0
+        low = known and (kv is None or kv < c.scale_down_kv_util) and s.queue < c.scale_down_queue
     low_since = _since(low, state.low_since, now)
     state = State(
         kv_high_since=kv_high_since,
@@ -222,7 +224,11 @@ def decide(config: Config, state: State, signals: Signals) -> tuple[Decision, St
         cooled = state.last_up is None or now - state.last_up >= c.scale_up_cooldown_s
         # what is on its way is what utilisation asked for; only a queue still over its
         # threshold after the cooldown orders more before it lands
-        if cooled and ((kv_rule and s.pending == 0) or queue_rule):
+        if supply == 0 and (s.queue > 0 or (s.arrival_rps or 0.0) > 0):
+            # nothing serves and requests come: no utilisation to wait for
+            reactive = 1
+            reactive_why = f"no node, and {s.queue} waiting"
+        elif cooled and ((kv_rule and s.pending == 0) or queue_rule):
             step = max(1, math.ceil(c.scale_up_step * s.serving))
             reactive = supply + step
             if queue_rule and queue_high_since is not None:
@@ -280,8 +286,11 @@ def decide(config: Config, state: State, signals: Signals) -> tuple[Decision, St
         if c.mode == "predictive":
             why = f"forecast {expected:.1f} req/s needs {predictive} node(s)"
             return _down(target, why, state, now, reactive, predictive)
-        projected = None if kv is None or left <= 0 else kv * s.serving / left
-        if projected is None or projected < c.scale_up_kv_util:
+        if left <= 0:  # the last serving node: only when nothing at all is asked of it
+            allowed = s.serving == 0 or (kv == 0 and s.queue == 0)
+        else:
+            allowed = kv is None or kv * s.serving / left < c.scale_up_kv_util
+        if allowed:
             why = (
                 f"KV utilisation below {c.scale_down_kv_util:.0%} and queue below "
                 f"{c.scale_down_queue} for {now - low_since:.0f} s"

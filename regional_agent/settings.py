@@ -1051,6 +1051,11 @@ class AutoscalerLoadSettings(_Group):
     def _asymmetric(self) -> AutoscalerLoadSettings:
         if self.policy != "off":
             self.config()  # its ValueError names the fields (scale_down_kv_util, ...)
+        if self.policy == "predictive" and self.node_capacity_rps is None:
+            raise ValueError(
+                "autoscaler.load.node_capacity_rps is required with policy = 'predictive': the "
+                "forecast sizes nodes by it (benchmarks/node_load_curve.py measures it)"
+            )
         return self
 
     def config(self) -> autoscaling.Config:
@@ -1129,9 +1134,9 @@ class AutoscalerSettings(_Group):
         description="kubernetes actuator: the service-account token, re-read on every call",
     )
     kubernetes_ca_file: Path | None = Field(
-        Path(_SERVICE_ACCOUNT) / "ca.crt",
+        None,
         description="kubernetes actuator: the CA the API server's certificate is checked "
-        "against; unset: the system's",
+        "against; unset: the service account's ca.crt when there is one, else the system's",
     )
     load: AutoscalerLoadSettings = Field(
         AutoscalerLoadSettings(),
@@ -1180,6 +1185,12 @@ class AutoscalerSettings(_Group):
             return None
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    def kubernetes_ca(self) -> Path | None:
+        if self.kubernetes_ca_file is not None:
+            return self.kubernetes_ca_file
+        default = Path(_SERVICE_ACCOUNT) / "ca.crt"
+        return default if default.is_file() else None
 
     def kubernetes_namespace_name(self) -> str | None:
         if self.kubernetes_namespace:

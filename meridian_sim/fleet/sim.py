@@ -257,7 +257,10 @@ class FleetResult:
 
 
 class _Node:
-    __slots__ = ("busy", "engine", "index", "node_id", "pos", "region", "result", "since", "state")
+    __slots__ = (
+        "busy", "engine", "generation", "index", "node_id", "pos", "region", "result", "since",
+        "state",
+    )  # fmt: skip
 
     def __init__(
         self, *, index: int, pos: int, node_id: NodeId, region: int, engine: Engine
@@ -271,6 +274,7 @@ class _Node:
         self.result: StepResult | None = None  # the step in progress, landing at its end
         self.state = _SERVING
         self.since = 0.0  # when its GPU time began (its order)
+        self.generation = 0  # of its orders: a cancelled order's ready event is stale
 
 
 class _Region:
@@ -413,6 +417,7 @@ class Fleet:
         self._cpu_s = 0.0
         self._timeline: list[Tick] = []
         self._node_events: list[tuple[float, str, str]] = []
+        self._ready_at: dict[int, tuple[int, int]] = {}  # event seq -> (node, its order)
         self._gpu_s = 0.0  # GPU time of nodes that have stopped (the rest is added at the end)
         self._end_s = 0.0
         self._fresh_engines = random.Random(config.seed + 3)  # the engines of ordered nodes
@@ -538,7 +543,8 @@ class Fleet:
                 if done < total and self.config.autoscaling is not None:
                     self._push(now + self.config.autoscaling.interval_s, _AUTOSCALE, arg)
             elif kind == _NODE_READY:
-                self._node_ready(self._nodes[arg], now)
+                index, generation = self._ready_at.pop(arg)
+                self._node_ready(self._nodes[index], now, generation)
             else:
                 self._engine_add(arg, now)
             if end is None and done >= total:
@@ -797,7 +803,7 @@ class Fleet:
             self._start_step(node, now)
         else:
             node.busy = False
-            if node.state == _DRAINING:
+            if node.state == _DRAINING and self._idle(node):
                 self._stop(node, now)
         if result.finished:  # a slot freed: wake every agent of the region that has a queue
             for agent in self._regions[node.region].agents:
@@ -872,9 +878,12 @@ class Fleet:
             if n.state == _OFF:
                 n.state = _PENDING
                 n.since = now
+                n.generation += 1
                 supply += 1
                 self._node_events.append((now, n.node_id, "ordered"))
-                self._push(now + scaling.provision_delay_s, _NODE_READY, n.index)
+                key = self._seq + 1  # the sequence number _push gives the event
+                self._ready_at[key] = (n.index, n.generation)
+                self._push(now + scaling.provision_delay_s, _NODE_READY, key)
         # fewer: the newest orders are cancelled, then the node with the least work drains
         for n in reversed(nodes):
             if supply <= target:
@@ -891,12 +900,18 @@ class Fleet:
             victim.state = _DRAINING
             supply -= 1
             self._node_events.append((now, victim.node_id, "draining"))
-            if not victim.busy and not victim.engine.has_unfinished:
+            if self._idle(victim):
                 self._stop(victim, now)
 
-    def _node_ready(self, node: _Node, now: float) -> None:
-        if node.state != _PENDING:  # cancelled while it was on its way
-            return
+    def _idle(self, node: _Node) -> bool:
+        """No step running, nothing in its engine and nothing on its way to it."""
+        if node.busy or node.engine.has_unfinished:
+            return False
+        return all(a.in_flight[node.pos] == 0 for a in self._regions[node.region].agents)
+
+    def _node_ready(self, node: _Node, now: float, generation: int) -> None:
+        if node.state != _PENDING or generation != node.generation:
+            return  # cancelled while on its way (and perhaps ordered again since)
         node.state = _SERVING
         self._node_events.append((now, node.node_id, "ready"))
         node.engine = Engine(
@@ -920,6 +935,8 @@ class Fleet:
     def _stop(self, node: _Node, now: float) -> None:
         if node.state != _PENDING:
             self._node_events.append((now, node.node_id, "stopped"))
+            for agent in self._regions[node.region].agents:  # what it held is gone with it
+                agent.policy.forget_node(node.node_id)
         self._gpu_s += now - node.since
         node.state = _OFF
 

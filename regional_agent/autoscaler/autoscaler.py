@@ -81,6 +81,12 @@ class Autoscaler:
             self._wake.set()
 
     def set_acting(self, acting: bool, actor: str | None) -> None:
+        if acting and not self.acting:  # taking over: what it knew is another replica's past
+            self._load_state = autoscaling.State()
+            self._arrivals = None
+            self.load_target = None
+            if isinstance(self.actuator, Webhook | Kubernetes):
+                self.actuator.applied = None
         self.acting, self.actor = acting, None if acting else actor
         if acting:
             self._wake.set()
@@ -106,7 +112,12 @@ class Autoscaler:
         return autoscaling.Signals(
             now=now,
             serving=len(serving),
-            pending=self.actuator.pending(),
+            # what was asked and does not serve yet is on its way, as far as the agent can tell
+            # (a Deployment's starting pods): counted so an "up" does not ask for less
+            pending=max(
+                self.actuator.pending(),
+                0 if self.load_target is None else self.load_target - len(serving),
+            ),
             kv_util=sum(kvs) / len(kvs) if kvs else None,
             queue=queue,
             arrival_rps=rate,
@@ -126,8 +137,10 @@ class Autoscaler:
         # a hold keeps the count the last step asked for: the actuator may still be on its way
         # there (a stop waits autoscaler.scale_down_delay_s), and a node lost meanwhile is one
         # to replace, not a new count
-        if decision.kind != "hold" or self.load_target is None:
+        if self.load_target is None or decision.kind == "down":
             self.load_target = decision.target
+        elif decision.kind == "up":
+            self.load_target = max(self.load_target, decision.target)
         if decision.kind != "hold" or previous is None:
             log.info(
                 "autoscaler load policy=%s decision=%s target=%d serving=%d pending=%d "
@@ -218,7 +231,7 @@ def create(
             namespace=namespace,
             deployment=settings.kubernetes_deployment,
             token_file=settings.kubernetes_token_file,
-            ca_file=settings.kubernetes_ca_file,
+            ca_file=settings.kubernetes_ca(),
             timeout_s=settings.request_timeout_s,
             node_weight=settings.node_weight,
             follow=settings.load.policy != "off",

@@ -283,6 +283,8 @@ class Publisher:
         key = keys.autoscaler_actor(self.region)
         ttl_s = self._settings.lease_ttl_s
         confirmed_at = float("-inf")
+        claimed: int | None = None  # the lease the last confirmed claim was under
+        margin_s = ttl_s / 3  # the lease may run out a little before its holder notices
         acting: bool | None = None
         holder_id: str | None = None
         told: str | None = None  # the holder on_actor was last told of
@@ -290,9 +292,17 @@ class Publisher:
         while True:
             now = self._clock.now()
             lease = self._lease
-            mine = acting is True and now - confirmed_at < ttl_s
+            # still ours only while the lease it was claimed under is the one held, and no
+            # longer than that lease surely lives since the claim was sent
+            mine = (
+                acting is True
+                and lease is not None
+                and lease.id == claimed
+                and now - confirmed_at < ttl_s - margin_s
+            )
             delay_s = ttl_s / 3 if lease is not None else 0.1  # no lease yet: soon again
             if lease is not None:
+                sent = self._clock.now()
                 try:
                     got = await self._store.claim(key, self.agent_id.encode(), lease=lease)
                     self._answered()
@@ -300,7 +310,7 @@ class Publisher:
                     mine = got is not None and got.lease == lease.id
                     holder_id = None if got is None else got.value.decode(errors="replace")
                     if mine:
-                        confirmed_at = self._clock.now()
+                        confirmed_at, claimed = sent, lease.id
                     elif got is None:
                         delay_s = 0.0  # it expired between the two calls: claim again now
                 except etcd.EtcdError as exc:

@@ -358,3 +358,11 @@ def test_actuator_settings_name_what_is_missing(tmp_path: Path) -> None:
         Settings(nodes=[], autoscaler={"actuator": "kubernetes"})
     with pytest.raises(ValueError, match="KUBERNETES_SERVICE_HOST is not in the environment"):
         Settings(nodes=[], autoscaler={"actuator": "kubernetes", "kubernetes_deployment": "v"})
+
+
+def test_a_predictive_policy_needs_a_measured_capacity() -> None:
+    from regional_agent.settings import Settings
+
+    with pytest.raises(ValueError, match=r"autoscaler\.load\.node_capacity_rps is required"):
+        Settings(nodes=[], autoscaler={"load": {"policy": "predictive"}})
+    Settings(nodes=[], autoscaler={"load": {"policy": "predictive", "node_capacity_rps": 8.0}})

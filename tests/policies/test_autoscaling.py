@@ -231,3 +231,17 @@ def test_no_oscillation_under_constant_load(
     signs = [m > 0 for m in moves]
     runs = [s for i, s in enumerate(signs) if i == 0 or signs[i - 1] != s]
     assert runs in ([], [True], [False], [True, False]), targets
+
+
+def test_no_measure_of_the_cache_is_not_a_quiet_region() -> None:
+    config = Config(mode="reactive")
+    seq = [_signals(10.0 * i, serving=6, kv_util=None, queue=0) for i in range(40)]
+    assert {d.kind for d in _run(config, seq)} == {"hold"}
+
+
+def test_with_nothing_serving_one_waiting_request_orders_a_node() -> None:
+    config = Config(mode="reactive", min_nodes=0)
+    (d,) = _run(config, [_signals(0.0, serving=0, kv_util=None, queue=1)])
+    assert (d.kind, d.target) == ("up", 1) and "no node" in d.reason
+    (d,) = _run(config, [_signals(0.0, serving=0, kv_util=None, queue=0)])
+    assert d.kind == "hold"

@@ -3,6 +3,7 @@ arrivals of the autoscaling benchmark."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -72,6 +73,9 @@ def test_shaped_arrivals_follow_the_multiplier_and_repeat_the_trace_with_fresh_i
     assert len(ids) == len(set(ids))
     with pytest.raises(ValueError, match="t = 0"):
         workloads.shaped(base, base_rps=1.0, shape=[(5.0, 1.0)], duration_s=10.0)
+    with pytest.raises(ValueError, match="increase strictly"):
+        workloads.shaped(base, base_rps=1.0, shape=[(0.0, 2.0), (9.0, 2.0), (9.0, 1.0)],
+                         duration_s=10.0)  # fmt: skip
 
 
 def test_ordered_nodes_serve_only_after_the_delay_and_nothing_reaches_a_node_not_serving(
@@ -110,7 +114,7 @@ def test_a_spike_scales_up_ahead_and_down_slowly_and_gpu_time_counts_from_the_or
     ups = [t for t in ticks if t.kind == "up"]
     downs = [t.t for t in ticks if t.kind == "down"]
     assert ups and downs and min(downs) > max(u.t for u in ups if u.t < 300.0)
-    assert all(b - a >= 300.0 for a, b in zip(downs, downs[1:], strict=False))
+    assert all(b - a >= 300.0 for a, b in itertools.pairwise(downs))
     assert all(t.reason for t in ticks)
     # GPU time: every node from its order (or the start) to its stop (or the end)
     events = result.node_events
