@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,20 +102,29 @@ class ScaleServer:
         return self._scale(ns, name, d)
 
 
+@asynccontextmanager
+async def _served(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free loopback port, for as long as the block runs."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def scale_server() -> AsyncIterator[ScaleServer]:
     server = ScaleServer(deployments={("inference", "vllm"): Deployment(replicas=2)})
     app = web.Application()
     app.router.add_route("GET", PREFIX.format(ns="{ns}", name="{name}"), server.handle)
     app.router.add_route("PATCH", PREFIX.format(ns="{ns}", name="{name}"), server.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server.url = f"http://127.0.0.1:{port}"
-    yield server
-    await runner.cleanup()
+    async with _served(app) as url:
+        server.url = url
+        yield server
 
 
 def _kubernetes(
@@ -278,14 +288,9 @@ async def hook() -> AsyncIterator[Hook]:
     h = Hook(secret=b"s3cret-key")
     app = web.Application()
     app.router.add_post("/scale", h.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    h.url = f"http://127.0.0.1:{port}/scale"
-    yield h
-    await runner.cleanup()
+    async with _served(app) as url:
+        h.url = f"{url}/scale"
+        yield h
 
 
 async def test_the_webhook_posts_a_signed_count_once_per_change(hook: Hook, tmp_path: Path) -> None:
