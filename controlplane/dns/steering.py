@@ -105,6 +105,16 @@ class DnsStats:
         self.errors[next((k for t, k in kinds if isinstance(exc, t)), "error")] += 1
 
 
+def _reraise_cancel() -> None:
+    """A pass that failed while its task was being cancelled ends the task.  Python 3.11's
+    ``asyncio.wait_for`` (dnspython's timeouts) can turn a cancel that lands as a query times
+    out into ``TimeoutError``; steering then saw a DNS failure, retried, and never ended (a CI
+    run hung a controller's shutdown with the DNS server killed)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 @dataclass(slots=True, kw_only=True)
 class Steering:
     settings: ControllerSettings
@@ -144,9 +154,11 @@ class Steering:
                 log.warning("dns: fenced off, another replica leads; stopping DNS steering")
                 return
             except (DnsError, etcd.Unavailable) as exc:
+                _reraise_cancel()
                 refused = isinstance(exc, DnsRefused)
                 await self._failed(exc)
             except Exception as exc:  # the runner: a bug must not end steering silently
+                _reraise_cancel()
                 log.exception("dns: pass crashed")
                 refused = False
                 await self._failed(exc)
@@ -381,5 +393,9 @@ async def steering(
         yield steer
     finally:
         task.cancel()
+        while not task.done():  # a cancel swallowed in flight (see _reraise_cancel): again
+            finished, _ = await asyncio.wait({task}, timeout=1.0)
+            if not finished:
+                task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
