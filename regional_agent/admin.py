@@ -13,6 +13,8 @@ GET      /admin/policy                    the routing policy and the ones availa
 PUT      /admin/policy                    ``{"policy": "prefix_aware"}``: switch at run time
                                           (``groups`` only when the agent keeps group tables)
 GET      /admin/queue                     waiting requests per model, decisions and refusals
+GET      /admin/autoscaler                who acts, the floors, the load policy's last decision
+                                          and its reason, the signals it read, actuator errors
 =======  ===============================  ===================================================
 """
 
@@ -26,6 +28,7 @@ import pydantic
 from aiohttp import web
 
 from policies.model import AdminState, NodeId
+from regional_agent.autoscaler import AUTOSCALER
 from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
 from regional_agent.nodes import Node
@@ -46,6 +49,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/admin/policy", get_policy)
     r.add_put("/admin/policy", set_policy)
     r.add_get("/admin/queue", queue)
+    r.add_get("/admin/autoscaler", autoscaler_state)
 
 
 def _authorize(request: web.Request) -> Edge:
@@ -264,6 +268,16 @@ async def queue(request: web.Request) -> web.Response:
             "retry_budget": round(agent.budget.available, 2),
         }
     )
+
+
+async def autoscaler_state(request: web.Request) -> web.Response:
+    _authorize(request)
+    scaler = request.app.get(AUTOSCALER)
+    if scaler is None:
+        raise NotFound(
+            "this agent runs no autoscaler: set autoscaler.actuator (docs/autoscaling.md)"
+        )
+    return web.json_response(scaler.describe())
 
 
 async def catch_up(agent: Edge, state: dict[str, Any]) -> list[str]:

@@ -44,7 +44,7 @@ from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
 from policies.model import AdminState, NodeId
 from regional_agent import admin, autoscaler
-from regional_agent.autoscaler import Autoscaler
+from regional_agent.autoscaler import AUTOSCALER
 from regional_agent.discovery import Discovery
 from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import (
@@ -79,7 +79,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PUBLISHER = web.AppKey("publisher", Publisher)
-AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
 DISCOVERY = web.AppKey("discovery", Discovery)
 WORKERS = web.AppKey("workers", WorkerRuntime)
 KV_EVENTS = web.AppKey("kv_events", KvEvents)

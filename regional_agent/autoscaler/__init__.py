@@ -8,12 +8,17 @@
 ``autoscaler``  the loop, and ``create(settings, ...)``
 """
 
+from aiohttp import web
+
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
 from regional_agent.autoscaler.autoscaler import Autoscaler, create
 from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 
+AUTOSCALER = web.AppKey("autoscaler", Autoscaler)  # the agent app's, when an actuator is set
+
 __all__ = [
+    "AUTOSCALER",
     "Actuator",
     "Autoscaler",
     "Command",

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import random
+from typing import Any
 
 from meridian_service.clock import Clock
 from policies import autoscaling
@@ -62,6 +63,9 @@ class Autoscaler:
         self._load = None if load.policy == "off" else load.config()
         self._load_state = autoscaling.State()
         self.decision: autoscaling.Decision | None = None  # the load policy's last
+        self.last_signals: autoscaling.Signals | None = None  # what that decision read
+        self.last_change: tuple[float, autoscaling.Decision] | None = None  # its last up/down
+        self.target: float | None = None  # the floor last handed to the actuator
         self.load_target: int | None = None  # the node count its last up or down asked for
         self._arrivals: tuple[float, int] | None = None  # (when, dispatcher arrivals then)
         # with a publisher, only the replica holding regions/<r>/agents/_autoscaler acts
@@ -105,9 +109,13 @@ class Autoscaler:
         rate: float | None = None
         if self._dispatcher is not None:
             count = self._dispatcher.stats.arrivals
-            if self._arrivals is not None and now > self._arrivals[0]:
+            # a sample spans at least half a tick: a tick woken early (the floor changed) would
+            # count a few milliseconds' arrivals, and the forecast's trend divides by the span
+            if self._arrivals is None:
+                self._arrivals = (now, count)
+            elif now - self._arrivals[0] >= self._settings.interval_s / 2:
                 rate = (count - self._arrivals[1]) / (now - self._arrivals[0])
-            self._arrivals = (now, count)
+                self._arrivals = (now, count)
         load = self._settings.load
         return autoscaling.Signals(
             now=now,
@@ -133,7 +141,7 @@ class Autoscaler:
         signals = self.signals()
         decision, self._load_state = autoscaling.decide(self._load, self._load_state, signals)
         previous = self.decision
-        self.decision = decision
+        self.decision, self.last_signals = decision, signals
         # a hold keeps the count the last step asked for: the actuator may still be on its way
         # there (a stop waits autoscaler.scale_down_delay_s), and a node lost meanwhile is one
         # to replace, not a new count
@@ -141,6 +149,8 @@ class Autoscaler:
             self.load_target = decision.target
         elif decision.kind == "up":
             self.load_target = max(self.load_target, decision.target)
+        if decision.kind != "hold":
+            self.last_change = (signals.now, decision)
         if decision.kind != "hold" or previous is None:
             log.info(
                 "autoscaler load policy=%s decision=%s target=%d serving=%d pending=%d "
@@ -157,6 +167,59 @@ class Autoscaler:
             )
         return max(self.floor, self.load_target * self._settings.node_weight)
 
+    def describe(self) -> dict[str, Any]:
+        """What ``GET /admin/autoscaler`` shows: who acts, the floors, the load policy's last
+        decision with its reason and the signals it read, and the actuator's last error."""
+        decision, signals = self.decision, self.last_signals
+        forecast = self._load_state.forecast
+
+        def shown(d: autoscaling.Decision) -> dict[str, Any]:
+            return {
+                "kind": d.kind,
+                "target_nodes": d.target,
+                "reason": d.reason,
+                "reactive_nodes": d.reactive,
+                "predictive_nodes": d.predictive,
+            }
+
+        return {
+            "actuator": self.actuator.name,
+            "acting": self.acting,
+            "actor": self.actor,
+            "policy": "off" if self._load is None else self._load.mode,
+            "floor": self.floor,
+            "target": self.target,
+            "capacity": self.current(),
+            "pending": self.actuator.pending(),
+            "load_target_nodes": self.load_target,
+            "decision": None if decision is None else shown(decision),
+            "last_change": None
+            if self.last_change is None
+            else {
+                **shown(self.last_change[1]),
+                "age_s": round(self._clock.now() - self.last_change[0], 3),
+            },
+            "signals": None
+            if signals is None
+            else {
+                "serving": signals.serving,
+                "pending": signals.pending,
+                "kv_util": signals.kv_util,
+                "queue": signals.queue,
+                "arrival_rps": signals.arrival_rps,
+                "floor_nodes": signals.floor_nodes,
+            },
+            "forecast_rps": None
+            if forecast is None
+            else {
+                "level": forecast.level,
+                "trend_per_s": forecast.trend,
+                "ahead": None if signals is None else forecast.ahead(signals.horizon_s),
+                "horizon_s": None if signals is None else signals.horizon_s,
+            },
+            "failing": self.failing,
+        }
+
     async def run(self) -> None:
         while True:
             self._wake.clear()
@@ -166,7 +229,7 @@ class Autoscaler:
                         await self._wake.wait()
                 continue
             try:
-                floor = self.effective_floor()
+                floor = self.target = self.effective_floor()
                 await self.actuator.ensure(floor=floor, current=self.current())
             except ActuatorError as exc:
                 if self.failing is None:

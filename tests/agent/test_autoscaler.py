@@ -20,7 +20,7 @@ from tests.agent import publishing
 from tests.agent.publishing import REGION, eventually, put_desired, region, status
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
-from tests.support.agent import AgentFactory, AgentHandle, AgentStarter
+from tests.support.agent import ADMIN, AgentFactory, AgentHandle, AgentStarter
 
 MODEL = "tiny-model"
 AUTOSCALER_LOG = "regional_agent.autoscaler"
@@ -150,6 +150,19 @@ async def test_a_started_node_that_exits_is_removed_and_replaced(
         timeout_s=60,
     )
     assert first.node_id not in handle.edge.pool and second.node_id in handle.edge.pool
+
+
+async def test_admin_autoscaler_says_when_there_is_none(
+    start_agent: AgentFactory, sim_node: NodeFactory
+) -> None:
+    handle = await start_agent([await sim_node()])
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{handle.url}/admin/autoscaler") as r:
+            assert r.status == 401
+        async with s.get(f"{handle.url}/admin/autoscaler", headers=ADMIN) as r:
+            assert r.status == 404
+            body = await r.json()
+    assert "set autoscaler.actuator" in body["error"]["message"]
 
 
 async def test_without_an_actuator_no_floor_is_honoured(
@@ -344,7 +357,22 @@ async def test_the_load_policy_starts_a_node_for_a_queue_that_lasts_and_stops_it
                 what="a node started for the queue",
                 timeout_s=60,
             )
+            async with s.get(f"{handle.url}/admin/autoscaler", headers=ADMIN) as r:
+                assert r.status == 200
+                shown = await r.json()
             assert await asyncio.gather(*burst) == [200] * 20
+        # what an operator reads: the decision, its reason and what it read
+        assert shown["actuator"] == "simulator" and shown["policy"] == "reactive"
+        assert shown["acting"] is True and shown["floor"] == 0.0
+        assert shown["decision"]["kind"] in ("up", "hold")
+        assert shown["last_change"]["kind"] == "up" and "queue" in shown["last_change"]["reason"]
+        assert shown["last_change"]["target_nodes"] == 2 and shown["last_change"]["age_s"] >= 0
+        assert shown["load_target_nodes"] == 2 and shown["target"] == 2.0
+        assert shown["signals"]["serving"] >= 1 and shown["signals"]["queue"] >= 0
+        assert shown["failing"] is None
+        # a tick woken early takes no rate sample: a span of milliseconds would blow up the trend
+        scaler.signals()
+        assert scaler.signals().arrival_rps is None
         node = pool.get(started.node_id)
         assert node is not None and node.requests_total > 0  # it took some of the queue
         assert scaler.floor == 0.0  # the controller asked for nothing
