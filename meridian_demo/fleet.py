@@ -3,13 +3,18 @@
 Starts, as separate processes on loopback: etcd; three regions — ``eu-west`` (4 simulated H100
 nodes), ``eu-north`` (1 node, with the simulator actuator so it can pre-warm) and ``us-east``
 (2 nodes) — each a set of ``meridian-sim`` nodes behind a ``meridian-agent`` that publishes to
-etcd; and two ``meridian-controller`` replicas.  Traffic flows into every region.  With short
-windows (2 s instead of 30 s) it then:
+etcd; and two ``meridian-controller`` replicas.  Clients send 16 req/s from eu and 4 from us,
+each to the regions DNS gives them, by SRV weight (a refused connection tries the next answer).
+With short windows (2 s instead of 30 s) it then:
 
 1. shows eu-north pre-warming: its backup floor is half of eu-west's capacity, so its agent
    starts simulated nodes until it meets it;
 2. kills eu-west's agent: three failed windows later eu-west is ``failed`` and the plan sends
-   the eu geography to eu-north (never to us-east: residency);
+   the eu geography to eu-north (never to us-east: residency).  eu-north, already at its floor,
+   then follows its own load: its autoscaler (``[autoscaler.load]``, the combined policy)
+   forecasts the doubled arrival rate and starts nodes above the floor, and steps back down
+   towards the floor once eu-west has its traffic again (each window prints its
+   ``GET /admin/autoscaler``);
 3. kills the leading controller: the other replica leads within the lease TTL and nothing that
    was decided changes;
 4. restarts eu-west's agent: two good windows, then the ramp 5 → 25 → 50 → 100 %;
@@ -87,6 +92,11 @@ API_NAME = "api." + DNS_ZONE
 SRV_NAME = "_https._tcp.api." + DNS_ZONE
 
 
+# the clients' open-loop rates by geography (req/s); eu's clients follow DNS between eu-west and
+# eu-north, us's go to us-east
+RATES = {"eu": 16, "us": 4}
+NODE_CAPACITY_RPS = 6.0  # eu-north's autoscaler counts a simulated node as this much
+
 DEMO_KEY = "demo-data-plane-key"  # the traffic's API key: the agents keep only its hash
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -145,7 +155,15 @@ class Fleet:
     controllers: dict[str, Proc] = field(default_factory=dict)
     ok: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    moved_on: int = 0  # requests that went to the next answer after a refused connection
+    errors: dict[str, int] = field(default_factory=dict)  # "<region> <status or error>": count
     dns: DnsSettings | None = None
+    # what each geography's clients were last told (DNS, else the plan): region -> weight
+    answers: dict[str, dict[str, float]] = field(
+        default_factory=lambda: {
+            geo: {r: 1.0 for r, i in REGIONS.items() if i["geo"] == geo} for geo in RATES
+        }
+    )
 
     def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> Proc:
         log = (self.work / f"{name}.log").open("w")
@@ -256,6 +274,7 @@ class Fleet:
     def start_agent(self, region: str) -> None:
         files = self.etcd_files(f"agent-{region}")  # the region's own etcd user
         env = {
+            **(self.load_policy() if region == "eu-north" else {}),
             "MERIDIAN_AGENT_REGION__ETCD_CA_FILE": files["ca_file"],
             "MERIDIAN_AGENT_REGION__ETCD_CERT_FILE": files["cert_file"],
             "MERIDIAN_AGENT_REGION__ETCD_KEY_FILE": files["key_file"],
@@ -269,6 +288,23 @@ class Fleet:
         self.agents[region] = self.ready(
             self.spawn(f"{region}-agent", self.agent_args[region], env=env)
         )
+
+    def load_policy(self) -> dict[str, str]:
+        """eu-north's ``[autoscaler.load]``: the combined policy, sized for the demo's traffic
+        (a simulated node is counted as 6 req/s, so eu's 16 req/s need 4 nodes at 80 %; the
+        simulated nodes start in about a second, so the forecast looks 2 s ahead, with a calm trend
+        for its one-second samples, and a quiet
+        region steps down one node every 3 windows)."""
+        w = self.window_s
+        return {
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__POLICY": "combined",
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__NODE_CAPACITY_RPS": str(NODE_CAPACITY_RPS),
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__PROVISION_DELAY_S": "2",
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__TREND_SMOOTHING": "0.1",  # 1 s samples are noisy
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__MAX_NODES": "5",
+            "MERIDIAN_AGENT_AUTOSCALER__LOAD__SCALE_DOWN_FOR_S": str(3 * w),
+            "MERIDIAN_AGENT_AUTOSCALER__SCALE_DOWN_DELAY_S": str(w),
+        }
 
     def start_bind(self) -> None:
         """named with two views, from the operator's generator (``bindconf.render``)."""
@@ -408,41 +444,84 @@ class Fleet:
 
 
 async def _traffic(fleet: Fleet, stop: asyncio.Event) -> None:
-    """A steady trickle of chat requests into every live region's agent."""
+    """Clients at a steady rate per geography (``RATES``, open loop: a request every 1/rate s
+    whatever the answers take), spread over the regions DNS last gave them by their SRV
+    weights (a smooth weighted round robin, as many clients do together).  A client whose
+    connection is refused tries the next answer, as SRV clients do."""
     headers = {"Authorization": f"Bearer {DEMO_KEY}"}  # the tenant's API key
+    credit: dict[str, dict[str, float]] = {geo: {} for geo in RATES}
+    inflight: set[asyncio.Task[None]] = set()
+
+    def order(geo: str) -> list[str]:
+        answers = {r: w for r, w in fleet.answers[geo].items() if w > 0}
+        if not answers:
+            return []
+        total, c = sum(answers.values()), credit[geo]
+        for region, weight in answers.items():
+            c[region] = c.get(region, 0.0) + weight
+        first = max(answers, key=lambda r: c[r])
+        c[first] -= total
+        return [first, *sorted((r for r in answers if r != first), key=lambda r: -answers[r])]
+
     async with aiohttp.ClientSession(headers=headers) as session:
 
-        async def one(region: str) -> None:
-            agent = fleet.agents.get(region)
-            if agent is None or agent.proc.poll() is not None:
-                return
+        async def one(geo: str) -> None:
             body = {
                 "model": MODEL,
-                "messages": [{"role": "user", "content": f"hello from {region}"}],
+                "messages": [{"role": "user", "content": f"hello from the {geo} clients"}],
                 "max_tokens": 16,
             }
-            try:
-                async with session.post(f"{agent.url}/v1/chat/completions", json=body) as r:
-                    await r.read()
-                    key = fleet.ok if r.status == 200 else fleet.failed
-            except aiohttp.ClientError:
-                key = fleet.failed
-            key[region] = key.get(region, 0) + 1
+            tried = order(geo)
+            for i, region in enumerate(tried):
+                agent = fleet.agents.get(region)
+                if agent is None:
+                    continue
+                try:
+                    async with session.post(f"{agent.url}/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        key = fleet.ok if r.status == 200 else fleet.failed
+                        what = str(r.status)
+                except aiohttp.ClientConnectorError:  # refused: the next answer
+                    if i + 1 < len(tried):
+                        fleet.moved_on += 1
+                    continue
+                except aiohttp.ClientError as exc:
+                    key, what = fleet.failed, type(exc).__name__
+                key[region] = key.get(region, 0) + 1
+                if key is fleet.failed:
+                    fleet.errors[f"{region} {what}"] = fleet.errors.get(f"{region} {what}", 0) + 1
+                return
+            fleet.failed[geo] = fleet.failed.get(geo, 0) + 1
+            fleet.errors[f"{geo} no answer"] = fleet.errors.get(f"{geo} no answer", 0) + 1
 
+        due = {geo: 0.0 for geo in RATES}
+        last = time.monotonic()
         while not stop.is_set():
-            await asyncio.gather(*(one(r) for r in REGIONS for _ in range(2)))
-            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for geo, rate in RATES.items():
+                due[geo] += rate * (now - last)
+                while due[geo] >= 1:
+                    due[geo] -= 1
+                    task = asyncio.create_task(one(geo))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+            last = now
+            await asyncio.sleep(0.05)
+        if inflight:
+            await asyncio.wait(inflight)
 
 
 def _secret() -> str:
     return base64.b64encode(secrets.token_bytes(32)).decode()
 
 
-async def _dig(fleet: Fleet, source: str) -> str:
-    """What ``dig -b <source> api.meridian.example`` (A and SRV) is told, on one line."""
+async def _dig(fleet: Fleet, source: str) -> tuple[str, dict[str, float] | None]:
+    """What ``dig -b <source> api.meridian.example`` (A and SRV) is told, on one line, and the
+    SRV answer's first-priority targets by region with their weights (``None``: no answer)."""
     assert fleet.dns is not None
     by_address = {a: r for r, a in ADDRESSES.items()}
     parts = []
+    weights: dict[str, float] | None = None
     for name, rdtype in ((API_NAME, "A"), (SRV_NAME, "SRV")):
         query = dns.message.make_query(name, rdtype)
         try:
@@ -450,7 +529,7 @@ async def _dig(fleet: Fleet, source: str) -> str:
                 query, fleet.dns.server, port=fleet.dns.port, source=source, timeout=1
             )
         except (OSError, dns.exception.DNSException) as exc:
-            return f"no answer ({type(exc).__name__})"
+            return f"no answer ({type(exc).__name__})", None
         values = sorted(v.to_text() for rrset in r.answer for v in rrset)
         if rdtype == "A":
             parts.append("A " + (", ".join(f"{v} ({by_address.get(v, '?')})" for v in values)
@@ -459,7 +538,10 @@ async def _dig(fleet: Fleet, source: str) -> str:
             srv = sorted(v.split() for v in values)
             parts.append("SRV " + (", ".join(f"{t.split('.')[0]} {p} {w}" for p, w, _, t in srv)
                                    or "-"))  # fmt: skip
-    return "   ".join(parts)
+            if srv:
+                first = min(int(p) for p, _, _, _ in srv)
+                weights = {t.split(".")[0]: float(w) for p, w, _, t in srv if int(p) == first}
+    return "   ".join(parts), weights
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> Any:
@@ -495,9 +577,17 @@ async def _show(
     )
     alert = listing.get("alert")
     print(f"   DNS answers  {answers}" + (f"   ALERT {alert}" if alert else ""))
-    if fleet.dns is not None:
+    if fleet.dns is not None:  # the clients follow what DNS tells them
         for _, geo, source in DNS_VIEWS:
-            print(f"   dig -b {source} {API_NAME:22} ({geo})  {await _dig(fleet, source)}")
+            text, weights = await _dig(fleet, source)
+            print(f"   dig -b {source} {API_NAME:22} ({geo})  {text}")
+            if weights:
+                fleet.answers[geo] = weights
+    else:  # no BIND9: the plan's shares, which DNS would have said
+        for geo, shares in listing.get("serving", {}).items():
+            if geo in fleet.answers and shares:
+                fleet.answers[geo] = {r: float(w) for r, w in shares.items()}
+    await _show_autoscaler(fleet, session, "eu-north")
     for event in events:
         key = json.dumps(event, sort_keys=True)
         if key not in seen:
@@ -507,6 +597,39 @@ async def _show(
                     f"   event {event['kind']:9} {event.get('region') or '-':9} {event['reason']}"
                 )
     return {"regions": rows, "leader": leader}
+
+
+async def _show_autoscaler(fleet: Fleet, session: aiohttp.ClientSession, region: str) -> None:
+    """One line of the region's ``GET /admin/autoscaler`` (the agent's admin API)."""
+    agent = fleet.agents.get(region)
+    if agent is None or agent.proc.poll() is not None:
+        return
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        async with session.get(
+            f"{agent.url}/admin/autoscaler", headers=headers, timeout=aiohttp.ClientTimeout(total=3)
+        ) as r:
+            a = await r.json()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        print(f"   {region} autoscaler: no answer ({type(exc).__name__})")
+        return
+    signals = a.get("signals") or {}
+    rate = signals.get("arrival_rps")
+    forecast = (a.get("forecast_rps") or {}).get("ahead")
+    change = a.get("last_change") or {}
+    print(
+        f"   {region} autoscaler  floor {a['floor']:g} (controller)  target "
+        f"{a['target'] if a['target'] is not None else 0:g} nodes  serving "
+        f"{signals.get('serving', 0)} + {signals.get('pending', 0)} on the way  arrivals "
+        + ("-" if rate is None else f"{rate:4.1f}")
+        + " req/s  forecast "
+        + ("-" if forecast is None else f"{forecast:4.1f}")
+        + (
+            f"   last {change['kind']} {change['age_s']:.0f} s ago: {change['reason']}"
+            if change
+            else ""
+        )
+    )
 
 
 async def _security(fleet: Fleet, session: aiohttp.ClientSession) -> None:
@@ -631,13 +754,13 @@ async def _run(fleet: Fleet, *, keep_open: bool = False) -> int:
             row = state.get("regions", {}).get("eu-west") or {}
             if row.get("state") == "failed":
                 break
-        print("\n== 3. the leading controller dies (SIGKILL)\n")
+        print("\n== 3. the leading controller dies (SIGKILL); eu-north follows eu's whole load\n")
         leader = state.get("leader")
         if leader in fleet.controllers:
             fleet.controllers[leader].stop(signal.SIGKILL)
         await windows(4)
         print("\n== 4. eu-west's agent comes back: two good windows, then the ramp\n")
-        fleet.start_agent("eu-west")
+        await asyncio.to_thread(fleet.start_agent, "eu-west")  # the clients go on meanwhile
         for _ in range(15):
             state = await windows(1)
             row = state.get("regions", {}).get("eu-west") or {}
@@ -670,10 +793,13 @@ async def _run(fleet: Fleet, *, keep_open: bool = False) -> int:
     stop.set()
     await traffic
     print(
-        f"\nDone. Requests served: {sum(fleet.ok.values())}, failed: {sum(fleet.failed.values())}. "
-        "While eu-west's agent was dead, DNS sent eu clients (dig -b 127.0.0.2) to eu-north; "
-        "on recovery eu-west's SRV weight ramped back; an operator's manual failover did the "
-        "same, audited, and its failback ramped back again."
+        f"\nDone. Requests served: {sum(fleet.ok.values())}, failed: {sum(fleet.failed.values())} "
+        + "".join(f" [{what}: {n}]" for what, n in sorted(fleet.errors.items()))
+        + f" ({fleet.moved_on} refused by a dead agent went to the next DNS answer). "
+        "While eu-west's agent was dead, DNS sent eu clients (dig -b 127.0.0.2) to eu-north, "
+        "which scaled from its floor to its load; on recovery eu-west's SRV weight ramped back "
+        "and eu-north stepped back down towards its floor; an operator's manual failover did "
+        "the same, audited, and its failback ramped back again."
     )
     return 0
 

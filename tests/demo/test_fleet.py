@@ -1,5 +1,5 @@
-"""``make demo`` end to end (1 s windows): every channel secured, a region fails, the leader
-dies, it comes back."""
+"""``make demo`` end to end (1 s windows): every channel secured, a region fails and its backup
+scales from the floor to its load, the leader dies, it comes back."""
 
 from __future__ import annotations
 
@@ -39,6 +39,22 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     assert max(floors) >= 2.0  # half of eu-west's 4 nodes
     capacities = [float(c) for c in re.findall(r"eu-north .* capacity +([\d.]+)", out)]
     assert max(capacities) >= 2.0  # pre-warmed by the simulator actuator from 1 node
+    # eu-north's autoscaler (GET /admin/autoscaler): the floor, then its own load above it
+    scaler = re.compile(
+        r"eu-north autoscaler  floor ([\d.]+) \(controller\)  target ([\d.]+) nodes  serving "
+        r"(\d+) .*?(?:last (up|down) \d+ s ago: (.*))?$"
+    )
+    rows = [m.groups() for line in out.splitlines() if (m := scaler.search(line))]
+    step1 = out.split("== 1.", 1)[1].split("== 2.", 1)[0]
+    assert re.search(r"eu-north autoscaler  floor 2 \(controller\)  target 2 nodes", step1)
+    failover = out.split("== 2.", 1)[1].split("== 4.", 1)[0]
+    above = [r for r in (scaler.search(x) for x in failover.splitlines()) if r]
+    assert any(
+        float(m[2]) >= 4 > float(m[1]) and m[4] == "up" and "forecast" in m[5] for m in above
+    ), failover  # eu's whole load: nodes above the floor, ordered by the forecast
+    assert any(int(m[3]) >= 4 for m in above)  # and they serve
+    assert any(kind == "down" for *_, kind, _ in rows)  # back towards the floor afterwards
+    assert "Done. Requests served:" in out and "went to the next DNS answer" in out
     # DNS steering through a real BIND9: what `dig -b 127.0.0.2` (the eu view) is told
     before_operator = out.split("== 5.", 1)[0]
     eu = [line for line in before_operator.splitlines() if "dig -b 127.0.0.2" in line]
