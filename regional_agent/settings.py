@@ -1127,7 +1127,14 @@ class AutoscalerSettings(_Group):
         "(the service account's namespace file)",
     )
     kubernetes_deployment: str | None = Field(
-        None, description="kubernetes actuator: the vLLM Deployment whose replicas it sets"
+        None,
+        description="kubernetes actuator: the vLLM Deployment (or StatefulSet, with "
+        "kubernetes_kind) whose replicas it sets",
+    )
+    kubernetes_kind: Literal["deployments", "statefulsets"] = Field(
+        "deployments",
+        description="kubernetes actuator: the resource kubernetes_deployment names (apps/v1); "
+        "statefulsets for the Terraform region module's vLLM",
     )
     kubernetes_token_file: Path = Field(
         Path(_SERVICE_ACCOUNT) / "token",

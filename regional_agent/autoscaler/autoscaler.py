@@ -293,6 +293,7 @@ def create(
             api=api,
             namespace=namespace,
             deployment=settings.kubernetes_deployment,
+            kind=settings.kubernetes_kind,
             token_file=settings.kubernetes_token_file,
             ca_file=settings.kubernetes_ca(),
             timeout_s=settings.request_timeout_s,

@@ -6,8 +6,8 @@ webhook     POSTs ``{"region", "floor", "current", "replicas", "sent_at"}`` as J
             sha256=HEX``, the HMAC-SHA256 of ``"{X-Meridian-Timestamp}.{body}"`` with the secret
             in ``autoscaler.webhook_secret_file`` (the receiver recomputes it and refuses old
             timestamps).  Any 2xx is accepted; anything else is retried by the loop with backoff.
-kubernetes  reads and patches the ``scale`` subresource of the vLLM Deployment
-            (``GET``/``PATCH /apis/apps/v1/namespaces/NS/deployments/NAME/scale``, a JSON merge
+kubernetes  reads and patches the ``scale`` subresource of the vLLM Deployment or StatefulSet
+            (``GET``/``PATCH /apis/apps/v1/namespaces/NS/KIND/NAME/scale``, a JSON merge
             patch carrying the ``resourceVersion`` it read, so a concurrent writer gets a 409 and
             it reads again) with the pod's service-account token, re-read on every call (bound
             tokens rotate).  With ``autoscaler.load`` off it only raises the replicas to the
@@ -132,14 +132,16 @@ class Kubernetes:
         api: str,
         namespace: str,
         deployment: str,
+        kind: str = "deployments",
         token_file: Path,
         ca_file: Path | None,
         timeout_s: float,
         node_weight: float,
         follow: bool,
     ) -> None:
-        self._path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{deployment}/scale"
-        self._where = f"deployment {namespace}/{deployment}"
+        self._path = f"/apis/apps/v1/namespaces/{namespace}/{kind}/{deployment}/scale"
+        self._kind = kind
+        self._where = f"{kind.removesuffix('s')} {namespace}/{deployment}"
         self._namespace = namespace
         self._token_file = token_file
         self._node_weight = node_weight
@@ -170,11 +172,15 @@ class Kubernetes:
             hint = "the API server refused the service-account token (is it mounted and current?)"
         elif code == 403:
             hint = (
-                f"the service account may not {verb} deployments/scale in namespace "
-                f"{self._namespace}: grant get and patch on deployments/scale (docs/autoscaling.md)"
+                f"the service account may not {verb} {self._kind}/scale in namespace "
+                f"{self._namespace}: grant get and patch on {self._kind}/scale "
+                "(docs/autoscaling.md)"
             )
         elif code == 404:
-            hint = f"{self._where} does not exist (autoscaler.kubernetes_deployment, _namespace)"
+            hint = (
+                f"{self._where} does not exist (autoscaler.kubernetes_deployment, _kind, "
+                "_namespace)"
+            )
         else:
             hint = f"the API server answered {code}"
         return ActuatorError(f"kubernetes {verb} {self._where}/scale: {hint}: {detail}")

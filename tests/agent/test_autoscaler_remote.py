@@ -29,7 +29,7 @@ from tests.agent.publishing import eventually
 from tests.conftest import NodeFactory
 from tests.support.agent import AgentFactory
 
-PREFIX = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+PREFIX = "/apis/apps/v1/namespaces/{ns}/{kind}/{name}/scale"
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
@@ -42,6 +42,7 @@ def _status(code: int, reason: str, message: str) -> web.Response:
 class Deployment:
     replicas: int
     version: int = 1
+    kind: str = "deployments"  # or statefulsets: the same scale subresource
 
 
 @dataclass
@@ -67,17 +68,18 @@ class ScaleServer:
         if role is None:
             return _status(401, "Unauthorized", "Unauthorized")
         ns, name = request.match_info["ns"], request.match_info["name"]
+        kind = request.match_info["kind"]
         verb = "get" if request.method == "GET" else "patch"
         if verb == "patch" and role != "edit":
             message = (
-                f'deployments.apps "{name}" is forbidden: User '
+                f'{kind}.apps "{name}" is forbidden: User '
                 f'"system:serviceaccount:{ns}:meridian" cannot patch resource '
-                f'"deployments/scale" in API group "apps" in the namespace "{ns}"'
+                f'"{kind}/scale" in API group "apps" in the namespace "{ns}"'
             )
             return _status(403, "Forbidden", message)
         d = self.deployments.get((ns, name))
-        if d is None:
-            return _status(404, "NotFound", f'deployments.apps "{name}" not found')
+        if d is None or d.kind != kind:
+            return _status(404, "NotFound", f'{kind}.apps "{name}" not found')
         if verb == "get":
             response = self._scale(ns, name, d)
             if self.interfere > 0:
@@ -91,7 +93,7 @@ class ScaleServer:
         self.patches.append(patch)
         version = (patch.get("metadata") or {}).get("resourceVersion")
         if version is not None and version != str(d.version):
-            return _status(409, "Conflict", f'Operation cannot be fulfilled on deployments.apps '
+            return _status(409, "Conflict", f'Operation cannot be fulfilled on {kind}.apps '
                            f'"{name}": the object has been modified; please apply your changes '
                            "to the latest version and try again")  # fmt: skip
         replicas = (patch.get("spec") or {}).get("replicas")
@@ -120,8 +122,9 @@ async def _served(app: web.Application) -> AsyncIterator[str]:
 async def scale_server() -> AsyncIterator[ScaleServer]:
     server = ScaleServer(deployments={("inference", "vllm"): Deployment(replicas=2)})
     app = web.Application()
-    app.router.add_route("GET", PREFIX.format(ns="{ns}", name="{name}"), server.handle)
-    app.router.add_route("PATCH", PREFIX.format(ns="{ns}", name="{name}"), server.handle)
+    path = PREFIX.format(ns="{ns}", kind="{kind}", name="{name}")
+    app.router.add_route("GET", path, server.handle)
+    app.router.add_route("PATCH", path, server.handle)
     async with _served(app) as url:
         server.url = url
         yield server
@@ -129,13 +132,13 @@ async def scale_server() -> AsyncIterator[ScaleServer]:
 
 def _kubernetes(
     server: ScaleServer, tmp_path: Path, *, token: str = "good", follow: bool = False,
-    deployment: str = "vllm",
+    deployment: str = "vllm", kind: str = "deployments",
 ) -> tuple[Kubernetes, Path]:  # fmt: skip
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     actuator = Kubernetes(
-        api=server.url, namespace="inference", deployment=deployment, token_file=token_file,
-        ca_file=None, timeout_s=5.0, node_weight=1.0, follow=follow,
+        api=server.url, namespace="inference", deployment=deployment, kind=kind,
+        token_file=token_file, ca_file=None, timeout_s=5.0, node_weight=1.0, follow=follow,
     )  # fmt: skip
     return actuator, token_file
 
@@ -155,6 +158,24 @@ async def test_kubernetes_raises_the_replicas_to_the_floor_once(
         assert scale_server.deployments[("inference", "vllm")].replicas == 5
     finally:
         await actuator.close()
+
+
+async def test_kubernetes_scales_a_statefulset_by_the_same_subresource(
+    scale_server: ScaleServer, tmp_path: Path
+) -> None:
+    """The Terraform region module runs vLLM as a StatefulSet: kubernetes_kind = statefulsets."""
+    scale_server.deployments[("inference", "vllm-sts")] = Deployment(2, kind="statefulsets")
+    actuator, _ = _kubernetes(scale_server, tmp_path, deployment="vllm-sts", kind="statefulsets")
+    wrong, _ = _kubernetes(scale_server, tmp_path, deployment="vllm-sts")
+    try:
+        await actuator.ensure(floor=3.0, current=2.0)
+        assert scale_server.deployments[("inference", "vllm-sts")].replicas == 3
+        with pytest.raises(ActuatorError, match=r"deployment inference/vllm-sts does not exist "
+                           r"\(autoscaler.kubernetes_deployment, _kind"):  # fmt: skip
+            await wrong.ensure(floor=4.0, current=3.0)
+    finally:
+        await actuator.close()
+        await wrong.close()
 
 
 async def test_kubernetes_follows_the_load_policy_down_too(
