@@ -17,8 +17,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_service import hygiene
-from regional_agent.app import AUTOSCALER, PUBLISHER, create_app
-from regional_agent.autoscaler import Autoscaler
+from regional_agent.app import PUBLISHER, create_app
+from regional_agent.autoscaler import AUTOSCALER, Autoscaler
 from regional_agent.edge import EDGE, Edge
 from regional_agent.publisher import Publisher
 from regional_agent.settings import Settings
