@@ -17,10 +17,12 @@ Per view (one per geography), under its zone, with ``names`` relative to the zon
     share; it cannot say 5 % / 95 %.
 ``<srv>`` SRV
     the regions that serve it at priority :data:`PRIORITY_SERVING` (10), weight = their share
-    in percent (at least 1); then, one priority step (10) apart in preference order, the
-    regions that could take over (not failed, not drained) with weight 0: a standby.  A client
-    that honours SRV (RFC 2782) splits by weight within the lowest priority it can reach and
-    falls back through the priorities by itself.
+    in percent (at least 1) split among the region's SRV records (one per port for its IP
+    endpoints, one per host name and port for the others), so a region's records sum to its
+    share however many endpoints it has (:func:`split_weight`); then, one priority step (10)
+    apart in preference order, the regions that could take over (not failed, not drained)
+    with weight 0: a standby.  A client that honours SRV (RFC 2782) splits by weight within
+    the lowest priority it can reach and falls back through the priorities by itself.
 ``<region>.<service>`` A / AAAA
     each SRV target's addresses; a region whose endpoints are host names is targeted by name
     and gets no address records of ours.  These target names (``ViewPlan.targets``: one per
@@ -270,20 +272,24 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
     addresses: dict[str, set[str]] = {"A": set(), "AAAA": set()}
     srv: set[str] = set()
     records: list[RecordSet] = []
-    tiers = [(r, PRIORITY_SERVING, max(1, round(100 * shares[r] / total))) for r in serving]
+    tiers = [(r, PRIORITY_SERVING, region_weight(shares[r] / total)) for r in serving]
     tiers += [(r, PRIORITY_SERVING + PRIORITY_STEP * (i + 1), 0) for i, r in enumerate(standby)]
     for region, priority, weight in tiers:
         host = absolute(f"{region}.{names.service}", zone)
         own: dict[str, set[str]] = {"A": set(), "AAAA": set()}
+        targets_of_region: set[tuple[int, str]] = set()
         for endpoint in endpoints[region]:
             if endpoint.ip:
                 rdtype = "AAAA" if ":" in endpoint.host else "A"
                 own[rdtype].add(endpoint.host)
-                srv.add(f"{priority} {weight} {endpoint.port} {host}")
+                targets_of_region.add((endpoint.port, host))
                 if priority == PRIORITY_SERVING:
                     addresses[rdtype].add(endpoint.host)
             else:
-                srv.add(f"{priority} {weight} {endpoint.port} {endpoint.host}")
+                targets_of_region.add((endpoint.port, endpoint.host))
+        ordered = sorted(targets_of_region, key=lambda t: (t[1], t[0]))
+        for (port, target), part in zip(ordered, split_weight(weight, len(ordered)), strict=True):
+            srv.add(f"{priority} {part} {port} {target}")
         for family in _ADDRESS_TYPES:
             if own[family] and host in targets:  # never over an operator's host name
                 records.append(_rrset(host, family, ttl_s, own[family]))
@@ -302,6 +308,28 @@ def _view(spec: ViewSpec, *, fleet: FleetDns, names: Names, ttl_s: int) -> ViewP
         reason=reason,
         targets=targets,
     )
+
+
+def region_weight(share: float) -> int:
+    """A serving region's SRV weight for its ``share`` (0..1] of the geography: percent,
+    at least 1 (weight 0 would make it a last resort among the serving)."""
+    return max(1, round(100 * share))
+
+
+def split_weight(weight: int, parts: int) -> list[int]:
+    """``weight`` split among a region's ``parts`` SRV records, as equal as integers allow,
+    the larger parts first, summing to ``weight`` (a client picks a record by its weight
+    over the sum, so a region's share must not repeat per endpoint); each serving record
+    gets at least 1, so with more records than weight the sum is ``parts``.  A standby's 0
+    stays 0."""
+    if parts <= 0:
+        return []
+    if weight <= 0:
+        return [0] * parts
+    if weight < parts:
+        return [1] * parts
+    base, extra = divmod(weight, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
 
 
 def region_targets(fleet: FleetDns, *, names: Names, zone: str) -> frozenset[str]:

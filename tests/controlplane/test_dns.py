@@ -309,3 +309,53 @@ async def test_a_zone_the_view_does_not_serve_is_said_clearly(
     text = str(refused.value)
     assert "geo-a" in text and "not-served.test." in text
     assert "update-policy" not in text  # a read was refused, not an update
+
+
+async def test_srv_weights_follow_capacity_and_a_region_s_endpoints_split_its_share(
+    store: meridian_etcd.Store, bind: BindServer
+) -> None:
+    """Issue 21: eu-north behind two load balancers and eu-west behind one were served 50, 50,
+    50 (eu-north took 67 %); now eu-north's share is split between its records, and the shares
+    follow the regions' capacity."""
+    clock = ManualClock()
+    regions = [*REGIONS, {"id": "eu-north", "geo": "eu", "backups": ["eu-west"]}]
+    settings = ControllerSettings(
+        etcd={"endpoints": ["http://127.0.0.1:1"]},
+        failover={"window_s": WINDOW_S, "min_hold_s": 0.0},
+        regions=regions,
+        dns=dns_settings(bind),
+    )
+    steer = _steering(settings, store, clock)
+    lbs = ["https://lb1.eu-north.example", "https://lb2.eu-north.example"]
+    endpoints = {**{r: [e] for r, e in ENDPOINTS.items()}, "eu-north": lbs}
+    geo = {**GEO, "eu-north": "eu"}
+
+    async def window(capacity: dict[str, float]) -> dict[str, int]:
+        clock.t += WINDOW_S
+        for region, cap in capacity.items():
+            status = RegionStatus(
+                region=region, geo=geo[region], endpoints=endpoints[region],
+                nodes_healthy=int(cap), nodes_total=int(cap), capacity=cap,
+                updated_at=clock.now(),
+            )  # fmt: skip
+            await store.put(keys.status(region), status.model_dump_json().encode())
+            await store.put(keys.alive(region), b"")
+        await windows.reconcile_once(store=store, fence=None, settings=settings, clock=clock)
+        await steer.reconcile_once()
+        served = await answer(bind, EU, SRV, "SRV")
+        records = [v.split() for v in served]
+        return {t: int(w) for p, w, _port, t in records if p == "10"}
+
+    equal = await window({"eu-west": 2.0, "eu-north": 2.0, "us-east": 2.0})
+    assert equal == {
+        "eu-west.api.meridian.test.": 50,
+        "lb1.eu-north.example.": 25,  # 25 + 25 against 50, not 50, 50, 50
+        "lb2.eu-north.example.": 25,
+    }
+    bigger = await window({"eu-west": 2.0, "eu-north": 6.0, "us-east": 2.0})
+    assert bigger == {
+        "eu-west.api.meridian.test.": 25,  # 2 of 8 node-equivalents
+        "lb1.eu-north.example.": 38,
+        "lb2.eu-north.example.": 37,
+    }
+    assert await answer(bind, EU, API, "A") == {EU_ADDRESS}  # host names get no A record

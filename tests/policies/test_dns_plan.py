@@ -68,6 +68,49 @@ def test_serving_regions_share_the_top_priority_by_weight_and_standbys_follow() 
     assert all(r.ttl_s == 30 for v in plan.views.values() for r in v.records)
 
 
+def test_a_region_s_share_is_split_among_its_endpoints_not_repeated() -> None:
+    """Two eu-north load balancers and one eu-west at 50/50: 25 + 25 against 50 (BIND served
+    50, 50, 50 before, and eu-north took two thirds)."""
+    fleet = FleetDns(
+        serving={"eu": {"eu-west": 0.5, "eu-north": 0.5}},
+        endpoints={
+            "eu-west": ["https://192.0.2.10"],
+            "eu-north": ["https://lb-a.eu-north.example.com", "https://lb-b.eu-north.example.com"],
+        },
+    )
+    eu = dns_plan.plan(VIEWS[:1], fleet=fleet, names=NAMES, window=1).views["geo-a"]
+    assert _records(eu, "SRV", SRV) == {
+        "10 50 443 eu-west.api.meridian.test.",
+        "10 25 443 lb-a.eu-north.example.com.",
+        "10 25 443 lb-b.eu-north.example.com.",
+    }
+    # two IP endpoints on one port are one SRV target with two addresses: one record
+    fleet = FleetDns(
+        serving={"eu": {"eu-west": 0.05, "eu-north": 0.95}},
+        endpoints={
+            "eu-west": ["https://192.0.2.10", "https://192.0.2.11", "https://192.0.2.10:8443"],
+            "eu-north": ["https://192.0.2.20", "https://eu-north.example.com:8443"],
+        },
+    )
+    eu = dns_plan.plan(VIEWS[:1], fleet=fleet, names=NAMES, window=1).views["geo-a"]
+    assert _records(eu, "SRV", SRV) == {
+        "10 3 443 eu-west.api.meridian.test.",
+        "10 2 8443 eu-west.api.meridian.test.",
+        "10 48 443 eu-north.api.meridian.test.",
+        "10 47 8443 eu-north.example.com.",
+    }
+    assert _records(eu, "A", "eu-west.api.meridian.test.") == {"192.0.2.10", "192.0.2.11"}
+
+
+@pytest.mark.parametrize(
+    ("weight", "parts", "split"),
+    [(50, 2, [25, 25]), (5, 2, [3, 2]), (100, 3, [34, 33, 33]), (1, 3, [1, 1, 1]),
+     (0, 2, [0, 0]), (7, 1, [7]), (7, 0, [])],
+)  # fmt: skip
+def test_split_weight(weight: int, parts: int, split: list[int]) -> None:
+    assert dns_plan.split_weight(weight, parts) == split
+
+
 def test_failed_and_drained_regions_are_never_standbys() -> None:
     plan = _plan(
         {"eu": {"eu-north": 1.0}, "us": {"us-east": 1.0}},
@@ -167,7 +210,22 @@ def fleets(draw: st.DrawFn) -> FleetDns:
         total = sum(raw.values())
         serving[geo] = {r: s / total for r, s in raw.items() if s > 0} if total > 0 else {}
     endpoints = {
-        r: [f"https://192.0.2.{i + 1}:{8000 + i}"]
+        r: draw(
+            st.lists(
+                st.sampled_from(
+                    [
+                        f"https://192.0.2.{i + 1}:{8000 + i}",
+                        f"https://192.0.2.{i + 101}:{8000 + i}",  # same port: one SRV record
+                        f"https://192.0.2.{i + 1}:{9000 + i}",
+                        f"https://{r}-lb0.example.net",
+                        f"https://{r}-lb1.example.net:8443",
+                    ]
+                ),
+                min_size=1,
+                max_size=4,
+                unique=True,
+            )
+        )
         for i, r in enumerate(REGIONS)
         if draw(st.booleans()) or r in ("eu-west", "us-east")
     }
@@ -189,15 +247,24 @@ def test_invariants(fleet: FleetDns, window: int, ttl: int) -> None:
             assert view.records == ()
             continue
         assert all(r.ttl_s == ttl for r in view.records)
-        srv = {}
+        srv: dict[str, tuple[int, int]] = {}
+        records_of: dict[str, int] = {}
         for value in _records(view, "SRV", SRV):
             priority, weight, _port, target = value.split()
-            srv[target.split(".")[0]] = (int(priority), int(weight))
-        # every serving region with an endpoint is at the top priority, weighted by share
+            region = target.split(".")[0].removesuffix("-lb0").removesuffix("-lb1")
+            assert int(weight) >= 1 or int(priority) != dns_plan.PRIORITY_SERVING
+            _, summed = srv.get(region, (int(priority), 0))
+            srv[region] = (int(priority), summed + int(weight))
+            records_of[region] = records_of.get(region, 0) + 1
+        # every serving region with an endpoint is at the top priority, and its records'
+        # weights sum to its share in percent, however many endpoints it has
         top = {r: w for r, (p, w) in srv.items() if p == dns_plan.PRIORITY_SERVING}
         assert set(top) == set(reachable)
-        assert all(w >= 1 for w in top.values())
-        assert abs(sum(top.values()) - 100) <= len(top)
+        total = sum(shares[r] for r in reachable)
+        for region, weight in top.items():
+            share = dns_plan.region_weight(shares[region] / total)
+            assert weight == max(share, records_of[region]), (region, weight, share)
+        assert abs(sum(top.values()) - 100) <= sum(records_of[r] for r in top)
         # standbys are never failed or drained, never serving, and in preference order
         standby = sorted((p, r) for r, (p, w) in srv.items() if p != dns_plan.PRIORITY_SERVING)
         for _, region in standby:
@@ -205,7 +272,12 @@ def test_invariants(fleet: FleetDns, window: int, ttl: int) -> None:
         order = [r for r in fleet.preferences[spec.geo] if r in dict((r, p) for p, r in standby)]
         assert [r for _, r in standby] == order
         # plain A records: exactly the serving regions' addresses
-        want = {fleet.endpoints[r][0].split("//")[1].split(":")[0] for r in reachable}
+        want = {
+            url.split("//")[1].split(":")[0]
+            for r in reachable
+            for url in fleet.endpoints[r]
+            if url.startswith("https://192.")
+        }
         assert _records(view, "A", API) == want
         txt = _records(view, "TXT", "_meridian.api.meridian.test.")
         assert txt == {f'"generation={plan.generation}" "geo={spec.geo}"'}
