@@ -10,7 +10,7 @@ settings, below both.
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import Final, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +45,9 @@ class PolicyValues(_Value):
         gt=0, description="a window fails above this p99 TTFT; null: not checked"
     )
     prewarm_fraction: float = Field(ge=0, le=1, description="backup floor share, 0..1")
+    shares: Literal["capacity", "equal"] = Field(
+        "capacity", description="a region's base share of its geography: capacity or equal"
+    )
 
 
 class StoredPolicies(_Value):

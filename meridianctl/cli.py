@@ -42,6 +42,7 @@ POLICY_KEYS: dict[str, str] = {
     "max_error_rate": "float",
     "ttft_p99_slo_s": "float|off",
     "prewarm_fraction": "float",
+    "shares": "capacity|equal",
 }
 
 
@@ -559,11 +560,19 @@ def _policy_value(key: str, raw: str) -> tuple[str, Any]:
             return key, int(raw)
         if kind == "floats":
             return key, [float(v) for v in raw.split(",") if v.strip()]
+        if kind == "capacity|equal":
+            if raw not in ("capacity", "equal"):
+                raise ValueError(raw)
+            return key, raw
         if kind == "float|off" and raw.lower() in ("off", "none", "null"):
             return "ttft_check", False
         return key, float(raw)
     except ValueError as exc:
-        want = {"int": "an integer", "floats": "numbers like 0.05,0.25,0.5,1"}.get(kind, "a number")
+        want = {
+            "int": "an integer",
+            "floats": "numbers like 0.05,0.25,0.5,1",
+            "capacity|equal": "capacity or equal",
+        }.get(kind, "a number")
         raise click.BadParameter(f"{key}={raw!r}: want {want}") from exc
 
 
@@ -582,7 +591,7 @@ def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str, 
 
     Keys: window_s, strikes, recovery_windows, ramp (e.g. 0.05,0.25,0.5,1), min_hold_s,
     status_stale_s, min_healthy_fraction, max_error_rate, ttft_p99_slo_s (or off),
-    prewarm_fraction.
+    prewarm_fraction, shares (capacity or equal).
     """
     body: dict[str, Any] = {"reason": reason}
     for item in assignments:

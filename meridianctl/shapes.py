@@ -88,7 +88,7 @@ HEALTH: Shape = {
     "window": (int, NONE),
     "alert?": OPT_STR,
 }
-POLICY_VALUE = (int, float, NONE, list)
+POLICY_VALUE = (int, float, str, NONE, list)
 POLICIES: Shape = {
     "values": Map(POLICY_VALUE),
     "source": str,

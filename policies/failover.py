@@ -58,11 +58,14 @@ floor does not collapse when the region it protects dies.  The floor stays at th
 during a failover too (the autoscaler takes the moved traffic from there).
 
 **Steering** (``FleetState.serving``): per geography (``RegionInfo.geo``), the regions that
-answer and their shares, summing to 1.  Each member region has an equal base share; it keeps
-``weight`` of it and the rest goes to its backup (a member without a backup loses the rest to the
-other answers).  **Never all off**: when a geography would have no answer, its previous answer
-stays in force and the plan carries an ``alert`` (with a reason); ``Verdict.weight`` still tells
-the truth about the region.  When every region is failed or drained the alert says so.
+answer and their shares, summing to 1.  Each member region has a base share, its
+``serving_capacity`` (``shares="capacity"``, the default: a region of 3 nodes takes 60 % against
+one of 2; a member not measured yet counts as the mean of those that are) or 1 each
+(``shares="equal"``); it keeps ``weight`` of it and the rest goes to its backup (a member
+without a backup loses the rest to the other answers).  **Never all off**: when a geography
+would have no answer, its previous answer stays in force and the plan carries an ``alert``
+(with a reason); ``Verdict.weight`` still tells the truth about the region.  When every region
+is failed or drained the alert says so.
 
 Every change comes back as an :class:`Event` with a short ``reason`` for the shell to log and
 store: ``strike`` (a failed window counted), ``state``, ``failover`` (traffic moves to a backup,
@@ -81,6 +84,7 @@ from typing import Final, Literal, NewType, get_args
 RegionId = NewType("RegionId", str)
 RegionState = Literal["healthy", "suspect", "failed", "recovering", "drained"]
 RegionAdmin = Literal["active", "draining", "drained"]
+ShareRule = Literal["capacity", "equal"]
 EventKind = Literal["strike", "state", "failover", "floor", "recovery", "alert", "residency"]
 EventValue = str | int | float | bool | None | tuple[str, ...]
 
@@ -111,6 +115,7 @@ class FailoverConfig:
     ttft_p99_slo_s: float | None = 5.0  # a window fails above this p99 TTFT; None: not checked
     prewarm_fraction: float = 0.5  # backup floor, as a share of the capacity it protects
     proximity_tolerance_ms: float = 5.0  # backups this close to the nearest compete on headroom
+    shares: ShareRule = "capacity"  # a member's base share of its geography: capacity or equal
 
     def __post_init__(self) -> None:
         _check_config(self)
@@ -283,6 +288,10 @@ def _check_config(config: FailoverConfig) -> None:
         value = getattr(config, name)
         if not 0 <= value <= 1:
             raise ValueError(f"{where}.{name} must be within 0..1, got {value!r}")
+    if config.shares not in get_args(ShareRule):
+        raise ValueError(
+            f"{where}.shares must be one of {', '.join(get_args(ShareRule))}, got {config.shares!r}"
+        )
     slo = config.ttft_p99_slo_s
     if slo is not None and (not slo > 0 or math.isinf(slo)):
         raise ValueError(f"{where}.ttft_p99_slo_s must be positive seconds or None, got {slo!r}")
@@ -568,7 +577,7 @@ def plan(
         events=events,
     )
     _assign_floors(verdicts, config=config, previous=previous, now=now, events=events)
-    serving, dark = _steer(verdicts, topology=topology, previous=previous)
+    serving, dark = _steer(verdicts, topology=topology, previous=previous, rule=config.shares)
     alert = _alert(verdicts, dark, serving)
     if alert != previous.alert:
         events.append(
@@ -845,21 +854,47 @@ def _backup_events(
         )
 
 
+def base_shares(
+    members: Iterable[RegionId], verdicts: Mapping[RegionId, Verdict], *, rule: ShareRule
+) -> dict[RegionId, float]:
+    """Each member region's base share of its geography, before its weight and failover: 1
+    each (``equal``), or its ``serving_capacity`` (``capacity``), where a member whose capacity
+    is not known yet (0: never judged healthy with nodes) counts as the mean of those that are
+    known, and a geography with none known is equal."""
+    regions = list(members)
+    if rule == "equal":
+        return dict.fromkeys(regions, 1.0)
+    known = [verdicts[r].serving_capacity for r in regions if verdicts[r].serving_capacity > 0]
+    if not known:
+        return dict.fromkeys(regions, 1.0)
+    mean = sum(known) / len(known)
+    return {
+        r: verdicts[r].serving_capacity if verdicts[r].serving_capacity > 0 else mean
+        for r in regions
+    }
+
+
 def _steer(
-    verdicts: Mapping[RegionId, Verdict], *, topology: Topology, previous: FleetState
+    verdicts: Mapping[RegionId, Verdict],
+    *,
+    topology: Topology,
+    previous: FleetState,
+    rule: ShareRule,
 ) -> tuple[dict[str, dict[RegionId, float]], list[tuple[str, str]]]:
     """Per geography, region -> share; and the geographies left dark, with why."""
     serving: dict[str, dict[RegionId, float]] = {}
     dark: list[tuple[str, str]] = []
     for geo in sorted({info.geo for info in topology.regions.values()}):
         members = sorted(r for r, info in topology.regions.items() if info.geo == geo)
+        base = base_shares(members, verdicts, rule=rule)
         shares: dict[RegionId, float] = {}
         for region in members:
             verdict = verdicts[region]
             if verdict.weight > 0:
-                shares[region] = shares.get(region, 0.0) + verdict.weight
+                shares[region] = shares.get(region, 0.0) + base[region] * verdict.weight
             if verdict.weight < 1 and verdict.backup is not None:
-                shares[verdict.backup] = shares.get(verdict.backup, 0.0) + 1.0 - verdict.weight
+                moved = base[region] * (1.0 - verdict.weight)
+                shares[verdict.backup] = shares.get(verdict.backup, 0.0) + moved
         if sum(shares.values()) <= _EPS:
             shares = {
                 r: s for r, s in previous.serving.get(geo, {}).items() if r in topology.regions

@@ -13,7 +13,7 @@ import itertools
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -139,6 +139,11 @@ class FailoverSettings(_Group):
     )
     prewarm_fraction: float = Field(
         0.5, ge=0, le=1, description="backup capacity floor, as a share of what it protects"
+    )
+    shares: Literal["capacity", "equal"] = Field(
+        "capacity",
+        description="each region's base share of its geography's traffic (DNS): its serving "
+        "capacity, or equal",
     )
 
     @model_validator(mode="after")

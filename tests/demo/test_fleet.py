@@ -59,14 +59,17 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     before_operator = out.split("== 5.", 1)[0]
     eu = [line for line in before_operator.splitlines() if "dig -b 127.0.0.2" in line]
     both = "A 192.0.2.11 (eu-west), 192.0.2.12 (eu-north)"
-    assert both in eu[0]  # steady: both eu regions, equal SRV weights
-    assert "SRV eu-north 10 50, eu-west 10 50" in eu[0]
+    assert both in eu[0]  # steady: both eu regions, SRV weights by capacity
+    for line in eu:  # a region's weight is its share, never repeated: they sum to 100
+        assert sum(int(w) for w in re.findall(r"eu-\w+ 10 (\d+)", line)) == 100, line
+    steady = [line for line in eu if line in step1]
+    assert any("SRV eu-north 10 33, eu-west 10 67" in line for line in steady), steady  # 2 : 4
     failed_over = [i for i, line in enumerate(eu) if "A 192.0.2.12 (eu-north)   SRV" in line]
     assert failed_over, "the eu answer never moved to eu-north alone"
     assert "SRV eu-north 10 100" in eu[failed_over[0]]
     ramp = [int(w) for line in eu[failed_over[0] :] for w in re.findall(r"eu-west 10 (\d+)", line)]
-    assert any(0 < w < 50 for w in ramp), ramp  # eu-west's SRV weight ramps back ...
-    assert ramp[-1] == 50 and ramp == sorted(ramp)  # ... to its equal share
+    assert any(0 < w < 25 for w in ramp), ramp  # eu-west's SRV weight ramps back ...
+    assert ramp[-1] > 25 and ramp == sorted(ramp)  # ... to its capacity share
     us = [line for line in out.splitlines() if "dig -b 127.0.0.1" in line]
     assert all("A 198.51.100.13 (us-east)" in line for line in us)  # the us view: us-east
     # step 5: an operator with meridianctl against the admin API

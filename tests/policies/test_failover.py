@@ -751,6 +751,57 @@ def test_a_failed_region_s_share_moves_to_its_backup() -> None:
     assert plans[0].recheck_after_s == 30.0
 
 
+def test_shares_follow_serving_capacity_and_a_failover_moves_the_region_s_own() -> None:
+    """eu-west at 6 node-equivalents and eu-central at 4: 60/40; eu-west failing moves its 6 to
+    eu-central; at its first ramp step it keeps 5 % of its 6.  us: 4 and 4, 50/50."""
+    big = ok("eu-west", status=status(capacity=6.0))
+    dead = ok("eu-west", alive=False)
+    plans = windows([{"eu-west": big}, {"eu-west": dead}, {"eu-west": dead}, {"eu-west": dead}]
+                    + [{"eu-west": ok("eu-west", status=status(capacity=6.0))}] * 3,
+                    topology=fleet())  # fmt: skip
+    serving = [p.state.serving["eu"] for p in plans]
+    assert serving[0] == pytest.approx({"eu-west": 0.6, "eu-central": 0.4})
+    assert serving[2] == pytest.approx({"eu-west": 0.6, "eu-central": 0.4})  # suspect
+    assert serving[3] == {"eu-central": 1.0}
+    assert plans[5].state.verdicts[R("eu-west")].weight == 0.05
+    assert serving[5] == pytest.approx({"eu-west": 0.03, "eu-central": 0.97})
+    assert plans[0].state.serving["us"] == {"us-east": 0.5, "us-west": 0.5}
+    # equal shares as an option
+    equal = dataclasses.replace(CONFIG, shares="equal")
+    plans = windows([{"eu-west": big}], topology=fleet(), config=equal)
+    assert plans[0].state.serving["eu"] == {"eu-west": 0.5, "eu-central": 0.5}
+
+
+def test_a_region_not_measured_yet_counts_as_the_mean_of_its_geography() -> None:
+    """A region whose status has no capacity yet (0) is not starved: it counts as the mean of
+    the measured members; a geography measured nowhere is equal."""
+    topology = fleet()
+    empty = status(capacity=0.0)
+    plans = windows(
+        [{"eu-west": ok("eu-west", status=empty), "eu-central": ok("eu-central", status=status(
+            capacity=8.0)), "us-east": ok("us-east", status=empty),
+          "us-west": ok("us-west", status=empty)}],
+        topology=topology,
+    )  # fmt: skip
+    assert plans[0].state.serving["eu"] == {"eu-central": 0.5, "eu-west": 0.5}
+    assert plans[0].state.serving["us"] == {"us-east": 0.5, "us-west": 0.5}
+    base = failover.base_shares(
+        [R("a"), R("b"), R("c")],
+        {
+            R(r): failover.Verdict(region=R(r), state="healthy", since=0.0, reason="",
+                                   serving_capacity=c)
+            for r, c in (("a", 2.0), ("b", 4.0), ("c", 0.0))
+        },
+        rule="capacity",
+    )  # fmt: skip
+    assert base == {"a": 2.0, "b": 4.0, "c": 3.0}
+
+
+def test_an_unknown_share_rule_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"FailoverConfig\.shares must be one of capacity, equal"):
+        FailoverConfig(shares="biggest")  # type: ignore[arg-type]
+
+
 def test_every_region_failing_keeps_the_last_good_plan_and_alerts() -> None:
     topology = fleet()
     dead = {str(r): ok(r, alive=False) for r in topology.regions}
