@@ -195,6 +195,8 @@ async def test_exit_codes(stack: Stack, ctl: Ctl) -> None:
     out_of_range = await ctl("policies", "set", "strikes=0", "--reason", "x", "--yes",
                              role="admin")  # fmt: skip
     assert out_of_range.code == 7 and "strikes" in out_of_range.err
+    bad_rule = await ctl("policies", "set", "shares=biggest", "--reason", "x", role="admin")
+    assert bad_rule.code == 2 and "capacity" in bad_rule.err and "equal" in bad_rule.err
     not_admin = await ctl("policies", "set", "strikes=4", "--reason", "x", "--yes")
     assert not_admin.code == 5
     assert await stack.snapshot() == before
@@ -224,12 +226,13 @@ async def test_policies_dns_events_health(stack: Stack, ctl: Ctl) -> None:
     assert "window_s" not in dry.out and "(dry run: nothing changed)" in dry.out
     assert await stack.snapshot() == before
     done = await ctl("policies", "set", "strikes=4", "ramp=0.1,0.5,1", "ttft_p99_slo_s=off",
-                     "--reason", "tuning", "--yes", role="admin")  # fmt: skip
+                     "shares=equal", "--reason", "tuning", "--yes", role="admin")  # fmt: skip
     assert done.code == 0, done.err
     assert "policies: did change" in done.out and "next window" in done.out
     data = json.loads((await ctl("policies", "get", "-o", "json", role="viewer")).out)
     assert data["values"]["strikes"] == 4 and data["values"]["ramp"] == [0.1, 0.5, 1.0]
     assert data["values"]["ttft_p99_slo_s"] is None and data["by"] == "admin-user"
+    assert data["values"]["shares"] == "equal"
     dns = await ctl("dns", "show", role="viewer")
     assert dns.code == 0 and "no DNS plan applied yet" in dns.out
     bind = await ctl("dns", "bind-config", role="admin")
