@@ -45,6 +45,7 @@ class Controller:
     store: etcd.Store
     election: Election
     last_pass: windows.PassResult | None = None
+    last_pass_s: float | None = None  # how long the last window pass took (monotonic seconds)
     window_etcd_ok: bool = True  # the leader's window loop: did its last pass reach etcd
     passes: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -92,9 +93,10 @@ class Controller:
                     on_commit=metrics.committed if metrics is not None else None,
                 )
                 self.passes += 1
+                self.last_pass_s = time.monotonic() - began
                 if metrics is not None:
                     metrics.window(
-                        duration_s=time.monotonic() - began,
+                        duration_s=self.last_pass_s,
                         lateness_s=0.0 if planned is None else began - planned,
                     )
                 if not self.window_etcd_ok:

@@ -21,6 +21,7 @@ class Replica(Protocol):
     store: etcd.Store
     election: Election
     last_pass: windows.PassResult | None
+    last_pass_s: float | None
 
     @property
     def etcd_ok(self) -> bool:

@@ -359,7 +359,9 @@ def health(ctx: click.Context, output: str) -> None:
         _json(data)
         return
     lead = "leading" if data["leading"] else f"following {data['leader'] or '(no leader)'}"
-    click.echo(f"{data['id']}: {lead}; etcd {data['etcd']}; window {_fmt(data['window'])}")
+    took = data.get("pass_s")
+    last = f" (last pass {took * 1000:.0f} ms, {data.get('pass_writes')} keys)" if took else ""
+    click.echo(f"{data['id']}: {lead}; etcd {data['etcd']}; window {_fmt(data['window'])}{last}")
     if data.get("alert"):
         click.echo(f"ALERT: {data['alert']}")
 

@@ -87,6 +87,8 @@ HEALTH: Shape = {
     "etcd": str,
     "window": (int, NONE),
     "alert?": OPT_STR,
+    "pass_s?": (int, float, NONE),
+    "pass_writes?": (int, NONE),
 }
 POLICY_VALUE = (int, float, str, NONE, list)
 POLICIES: Shape = {

@@ -200,6 +200,8 @@ class ApiHealth(_Out):
     etcd: Literal["ok", "unavailable"]
     window: int | None
     alert: str | None
+    pass_s: float | None = Field(None, description="how long this replica's last window pass took")
+    pass_writes: int | None = Field(None, description="keys the last window pass wrote")
 
 
 class IdempotencyRecord(_Out):

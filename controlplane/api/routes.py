@@ -151,6 +151,8 @@ async def get_health(call: Call) -> ApiHealth:
         etcd="ok" if r.etcd_ok else "unavailable",
         window=last.window if last else None,
         alert=last.alert if last else None,
+        pass_s=round(r.last_pass_s, 6) if r.last_pass_s is not None else None,
+        pass_writes=last.writes if last else None,
     )
 
 

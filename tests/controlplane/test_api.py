@@ -109,6 +109,7 @@ async def test_regions_lists_every_region_with_its_state(client: httpx.AsyncClie
     assert "eu-west" in body["fix"]
     health = await client.get("/v1/health")
     assert health.status_code == 200 and health.json()["leading"] is True
+    assert 0 < health.json()["pass_s"] < 5 and health.json()["pass_writes"] >= 1  # last pass
     dns = await client.get("/v1/dns", headers=AUTH["viewer"])
     assert dns.status_code == 200 and dns.json() == {"applied": None, "problem": None}
 

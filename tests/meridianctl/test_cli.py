@@ -245,6 +245,7 @@ async def test_policies_dns_events_health(stack: Stack, ctl: Ctl) -> None:
     assert followed.code == 0 and followed.out.strip()
     health = await ctl("health", role="viewer")
     assert health.code == 0 and "ctl-a: leading" in health.out
+    assert re.search(r"window \d+ \(last pass \d+ ms, \d+ keys\)", health.out), health.out
 
 
 async def test_shell_completion_script(ctl: Ctl) -> None:
