@@ -115,6 +115,16 @@ class Controller:
             except etcd.Fenced:
                 log.warning("fenced off: another replica leads; stopping the window loop")
                 return
+            except etcd.Refused as exc:
+                # etcd answers but will not take this pass (a request over its limits, a
+                # permission): another replica would be refused the same, so this one keeps
+                # leading, changes nothing and tries again next window (fail static)
+                log.error("window pass refused by etcd, nothing changed: %s", exc)
+                self.window_etcd_ok = False
+                judge = False
+                planned = None
+                await asyncio.sleep(window_s)
+                continue
             elapsed = self.clock.now() - started
             # the admin API's policies may change the window: the pass says when to look again
             next_s = self.last_pass.recheck_after_s if self.last_pass else window_s

@@ -92,10 +92,13 @@ class ClientConfig:
     endpoints, refused with ``http://`` ones); ``cert_file`` and ``key_file``: the client
     certificate etcd's ``--client-cert-auth`` asks for, whose CN etcd takes as the user;
     ``user`` with ``password_file`` (or ``password``, a secret kept out of the repr): an etcd
-    user authenticated by password."""
+    user authenticated by password.  ``max_txn_ops``: the most operations the members take in one
+    transaction (etcd's ``--max-txn-ops``, 128 unless raised there): the bound of
+    :meth:`Store.commit_batches`."""
 
     endpoints: Sequence[str]
     timeout_s: float = 3.0
+    max_txn_ops: int = 128
     ca_file: security.PathLike | None = None
     cert_file: security.PathLike | None = None
     key_file: security.PathLike | None = None
@@ -116,6 +119,10 @@ class ClientConfig:
         )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_txn_ops < 2:
+            raise ValueError(
+                f"max_txn_ops must be >= 2 (etcd's --max-txn-ops), got {self.max_txn_ops}"
+            )
 
     @property
     def tls(self) -> bool:
@@ -342,6 +349,37 @@ class Store:
                 Fenced(f"{fence.key} changed: this replica's writes are fenced off")
             )
         return None
+
+    async def commit_batches(
+        self,
+        *,
+        puts: Sequence[tuple[str, bytes]] = (),
+        deletes: Sequence[str] = (),
+        fence: Fence | None = None,
+        last: Mapping[str, bytes] | None = None,
+    ) -> int:
+        """Write more than one transaction may hold: ``puts`` then ``deletes`` in order, in
+        transactions of at most ``max_txn_ops`` operations each, every one guarded by ``fence``,
+        and ``last`` together in the final one (give it what must not land before the rest: a
+        plan that names what the other keys say).  Not atomic as a whole: when a batch fails
+        (:class:`Fenced`, :class:`Unavailable`) the batches before it stay written.  Returns how
+        many transactions it took."""
+        limit = self._config.max_txn_ops
+        tail = list((last or {}).items())
+        if len(tail) > limit:
+            raise ValueError(f"{len(tail)} keys cannot land in one transaction of {limit}")
+        ops: list[tuple[str, bytes | None]] = [*puts, *((k, None) for k in deletes)]
+        split = max(0, len(ops) - (limit - len(tail)))  # what does not fit beside ``last``
+        head, final = ops[:split], ops[split:]
+        batches = [head[i : i + limit] for i in range(0, len(head), limit)]
+        batches.append([*final, *tail])
+        for batch in batches:
+            await self.commit(
+                puts=[(k, v) for k, v in batch if v is not None],
+                deletes=[k for k, v in batch if v is None],
+                fence=fence,
+            )
+        return len(batches)
 
     async def claim(self, key: str, value: bytes, *, lease: Lease) -> Entry | None:
         """Create ``key`` under ``lease`` unless it exists; return whatever holds it now

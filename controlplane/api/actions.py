@@ -199,7 +199,7 @@ async def _prune(leader: Leader, fence: etcd.Fence) -> None:
         except pydantic.ValidationError:
             deletes.append(entry.key)
     if deletes:
-        await leader.store.commit(deletes=deletes, fence=fence)
+        await leader.store.commit_batches(deletes=deletes, fence=fence)
 
 
 async def _run(

@@ -37,6 +37,12 @@ class EtcdSettings(_Group):
         description="etcd client URLs; the controller moves to the next when one fails",
     )
     timeout_s: float = Field(3.0, gt=0, description="timeout of one etcd call, seconds")
+    max_txn_ops: int = Field(
+        128,
+        ge=2,
+        description="the most operations etcd takes in one transaction (its --max-txn-ops, 128 "
+        "by default): a window pass that writes more is split into transactions of this many",
+    )
     ca_file: Path | None = Field(
         None,
         description="PEM CA that signed the etcd members' certificates; required with https:// "
@@ -81,7 +87,9 @@ class EtcdSettings(_Group):
 
     def client_config(self) -> meridian_etcd.ClientConfig:
         """How the controller reaches etcd: URLs, time limit, TLS and credentials."""
-        return meridian_etcd.ClientConfig(timeout_s=self.timeout_s, **self._fields())
+        return meridian_etcd.ClientConfig(
+            timeout_s=self.timeout_s, max_txn_ops=self.max_txn_ops, **self._fields()
+        )
 
 
 class ElectionSettings(_Group):

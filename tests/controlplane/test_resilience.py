@@ -40,7 +40,7 @@ def _settings(
     endpoints: list[str], name: str, *, ttl_s: int = 2, **extra: Any
 ) -> ControllerSettings:
     return ControllerSettings(
-        etcd={"endpoints": endpoints, "timeout_s": 1.0},
+        etcd={"endpoints": endpoints, "timeout_s": 1.0, **extra.pop("etcd", {})},
         election={"id": name, "lease_ttl_s": ttl_s},
         failover={
             "window_s": WINDOW_S,
@@ -66,8 +66,8 @@ class Fleet:
         self.quiet = {region: asyncio.Event() for region in self.up}
         self.store = etcd_client(*endpoints, timeout_s=1.0)
 
-    async def controller(self, name: str, *, ttl_s: int = 2) -> Controller:
-        app = create_app(_settings(self.endpoints, name, ttl_s=ttl_s))
+    async def controller(self, name: str, *, ttl_s: int = 2, **extra: Any) -> Controller:
+        app = create_app(_settings(self.endpoints, name, ttl_s=ttl_s, **extra))
         runner = web.AppRunner(app)
         await runner.setup()
         self.runners[name] = runner
@@ -227,6 +227,31 @@ async def test_etcd_down_entirely_fails_static_then_converges(
             assert c.last_pass is not None and c.last_pass.window > window_before
         finally:
             again.process.stop()
+
+
+async def test_a_pass_etcd_refuses_changes_nothing_and_the_leader_keeps_leading(
+    tmp_path: Path, fleet_factory: Callable[[list[str]], Fleet], caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd taking at most 4 operations per transaction: a controller that believes 128 has its
+    first pass refused, logs it, keeps leading and tries every window (before: it stepped down
+    and campaigned again, for ever); one told the real limit writes the pass in batches."""
+    with start_etcd(tmp_path, extra_args=["--max-txn-ops=4"]) as etcd:
+        fleet = fleet_factory([etcd.url])
+        fleet.start_agents()
+        wrong = await fleet.controller("ctl-a")
+        await until(lambda: wrong.election.leading, 10, "ctl-a to lead")
+        await asyncio.sleep(6 * WINDOW_S)
+        assert wrong.election.leading and sum(wrong.election.elections.values()) == 1
+        assert wrong.passes == 0 and await fleet.health("eu-west") is None  # nothing written
+        refused = [r for r in caplog.records if "window pass refused by etcd" in r.getMessage()]
+        assert len(refused) >= 3 and all(r.levelname == "ERROR" for r in refused)
+        assert "too many operations" in refused[0].getMessage()
+        await fleet.stop_controller("ctl-a", crash=False)
+        right = await fleet.controller("ctl-b", etcd={"max_txn_ops": 4})
+        await until(lambda: right.election.leading and right.passes >= 2, 10, "ctl-b's passes")
+        for region in ("eu-west", "eu-north"):
+            h = await fleet.health(region)
+            assert h is not None and h.state == "healthy", h
 
 
 async def test_after_an_etcd_outage_the_leader_resumes_on_its_own_key_and_every_replica_knows(

@@ -339,3 +339,47 @@ async def test_a_clock_step_on_the_controller_fails_no_region_a_stopped_status_s
     west = await _health(store, "eu-west")
     assert west.state == "failed" and "status" in west.reason, west
     assert (await _health(store, "eu-north")).state == "healthy"
+
+
+async def test_a_fleet_bigger_than_one_etcd_transaction_is_judged_and_written(
+    store: meridian_etcd.Store,
+) -> None:
+    """100 regions: the first pass writes 2 keys per region, the plan and the events, more than
+    etcd takes in one transaction (--max-txn-ops 128); found by the scale benchmark, where the
+    controller lost its leadership over and over on "too many operations in txn request"."""
+    clock = ManualClock()
+    names = [f"r{i:03d}" for i in range(100)]
+    settings = ControllerSettings(
+        etcd={"endpoints": ["http://127.0.0.1:1"]},
+        failover={"window_s": WINDOW_S, "min_hold_s": 0.0},
+        regions=[
+            {"id": r, "geo": f"g{i // 10}", "backups": [names[i + 1 if i % 10 < 9 else i - 9]]}
+            for i, r in enumerate(names)
+        ],
+    )  # type: ignore[arg-type]
+    for region in names:
+        await _publish(store, clock, region)
+    lease = await store.grant(ttl_s=30)
+    holder = await store.claim(keys.LEADER, b"ctl-a", lease=lease)
+    assert holder is not None
+    fence = meridian_etcd.Fence(
+        key=keys.LEADER, value=holder.value, create_revision=holder.create_revision
+    )
+    first = await windows.reconcile_once(
+        store=store, fence=fence, settings=settings, clock=clock, judge=False
+    )
+    assert first.writes > settings.etcd.max_txn_ops
+    healths = (await store.get_prefix(keys.REGIONS)).entries
+    assert sum(e.key.endswith("/health") for e in healths) == 100
+    assert sum(e.key.endswith("/desired") for e in healths) == 100
+    plan_entry = await store.get(keys.PLAN)
+    assert plan_entry is not None  # written last, after the keys it describes
+    assert plan_entry.mod_revision == max(e.mod_revision for e in (*healths, plan_entry))
+    plan = FleetPlan.model_validate_json(plan_entry.value)
+    assert len(plan.last_status) == 100 and sum(len(s) for s in plan.serving.values()) == 100
+    clock.t += WINDOW_S
+    for region in names:
+        await _publish(store, clock, region)
+    second = await windows.reconcile_once(store=store, fence=fence, settings=settings, clock=clock)
+    assert second.window == first.window + 1
+    assert (await _health(store, "r042")).state == "healthy"

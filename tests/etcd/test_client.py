@@ -81,6 +81,44 @@ async def test_a_fenced_commit_lands_only_while_the_fence_key_is_the_one_held(
         await store.close()
 
 
+async def test_more_than_one_transaction_holds_is_written_in_fenced_batches(
+    etcd: EtcdServer,
+) -> None:
+    """etcd refuses a transaction of more than --max-txn-ops (128) operations; commit_batches
+    writes 300 puts and 10 deletes in batches, the ``last`` keys in the final one."""
+    store = etcd_client(etcd.url)
+    try:
+        with pytest.raises(meridian_etcd.Refused, match="too many operations"):
+            await store.commit(puts={f"/b/{i:03d}": b"x" for i in range(129)})
+        await store.commit(puts={f"/b/old-{i}": b"x" for i in range(10)})
+        lease = await store.grant(ttl_s=10)
+        holder = await store.claim("/b/leader", b"me", lease=lease)
+        assert holder is not None
+        fence = meridian_etcd.Fence(
+            key="/b/leader", value=holder.value, create_revision=holder.create_revision
+        )
+        puts = [(f"/b/{i:03d}", str(i).encode()) for i in range(300)]
+        batches = await store.commit_batches(
+            puts=puts, deletes=[f"/b/old-{i}" for i in range(10)], fence=fence,
+            last={"/b/plan": b"p"},
+        )  # fmt: skip
+        assert batches == 3  # 311 operations in transactions of at most 128
+        got = {e.key: e for e in (await store.get_prefix("/b/")).entries}
+        assert {f"/b/{i:03d}" for i in range(300)} <= set(got)
+        assert not any(k.startswith("/b/old-") for k in got)
+        plan = got["/b/plan"]
+        assert plan.mod_revision == max(e.mod_revision for e in got.values())  # last of all
+        assert len({got[k].mod_revision for k, _ in puts}) == 3  # each batch is one revision
+        await store.delete("/b/leader")  # fenced off: nothing of the next batches lands
+        with pytest.raises(meridian_etcd.Fenced):
+            await store.commit_batches(puts=[("/b/late", b"x")], fence=fence)
+        assert await store.get("/b/late") is None
+        with pytest.raises(ValueError, match="cannot land in one transaction"):
+            await store.commit_batches(last={f"/b/{i}": b"x" for i in range(129)})
+    finally:
+        await store.close()
+
+
 async def test_leases_keep_keys_alive_and_a_lost_lease_says_so(etcd: EtcdServer) -> None:
     store = etcd_client(etcd.url)
     try:
