@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal, NewType, get_args
 
@@ -432,6 +432,13 @@ def choose_backup(
     failover target, tried first."""
     regions = topology.regions
     needs = regions[region].residency
+    wanted: list[tuple[str, RegionId]] = []
+    if prefer is not None:
+        wanted.append(("operator's failover target", prefer))
+    wanted += [(f"configured backup #{i + 1}", b) for i, b in enumerate(regions[region].backups)]
+    quick = _wanted_and_up(region, wanted, topology=topology, states=states)
+    if quick is not None:  # a wanted region is up and compliant: no need to look at every other
+        return quick
     lacking: dict[RegionId, frozenset[str]] = {}  # up, but missing some of the region's tags
     usable: list[RegionId] = []  # up and compliant
     for candidate in sorted(regions):
@@ -444,11 +451,6 @@ def choose_backup(
             usable.append(candidate)
     full = [c for c in usable if states.get(c) != "recovering"]
     ramping = [c for c in usable if states.get(c) == "recovering"]
-
-    wanted: list[tuple[str, RegionId]] = []
-    if prefer is not None:
-        wanted.append(("operator's failover target", prefer))
-    wanted += [(f"configured backup #{i + 1}", b) for i, b in enumerate(regions[region].backups)]
     residency_limited = any(c in lacking for _, c in wanted)
 
     def skipped(tier: list[RegionId]) -> str:
@@ -490,6 +492,46 @@ def choose_backup(
     else:
         reason = "no other region is up"
     return BackupChoice(backup=None, reason=reason + skipped([]), residency_limited=bool(lacking))
+
+
+def _wanted_and_up(
+    region: RegionId,
+    wanted: Sequence[tuple[str, RegionId]],
+    *,
+    topology: Topology,
+    states: Mapping[RegionId, RegionState],
+) -> BackupChoice | None:
+    """``choose_backup``'s answer when a wanted region (the operator's target, a configured
+    backup) is up, compliant and not recovering, in O(len(wanted)) instead of a look at every
+    region (a 500-region pass spent a quarter of its time here); ``None`` otherwise."""
+    regions = topology.regions
+    needs = regions[region].residency
+    notes: list[str] = []
+    chosen: tuple[str, RegionId] | None = None
+    limited = False
+    for label, candidate in wanted:
+        known = candidate in regions and candidate != region
+        missing = needs - regions[candidate].residency if known else frozenset()
+        up = known and states.get(candidate) not in _DOWN
+        limited = limited or (up and bool(missing))
+        if chosen is not None:
+            continue
+        if up and not missing and states.get(candidate) != "recovering":
+            chosen = (label, candidate)
+        elif candidate == region:
+            notes.append(f"{candidate} is the region itself")
+        elif not known:
+            notes.append(f"{candidate} is unknown")
+        elif up and missing:
+            notes.append(f"{candidate} lacks residency {_tags(missing)}")
+        else:
+            notes.append(f"{candidate} is {states.get(candidate)}")
+    if chosen is None:
+        return None
+    skipped = f" (skipped: {'; '.join(notes)})" if notes else ""
+    return BackupChoice(
+        backup=chosen[1], reason=f"{chosen[0]} {chosen[1]}{skipped}", residency_limited=limited
+    )
 
 
 def _nearest(

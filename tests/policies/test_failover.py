@@ -1144,3 +1144,28 @@ def test_invariants(
         for event in result.events:
             assert event.kind in failover.EVENT_KINDS and event.reason and event.at == now
         state = new
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    topology=topologies(),
+    states=st.lists(st.sampled_from(sorted(failover.STATES)), min_size=6, max_size=6),
+    prefer=st.none() | st.sampled_from([*NAMES, R("mars-1")]),
+)
+def test_the_wanted_region_shortcut_chooses_what_the_full_look_chooses(
+    topology: Topology,
+    states: list[failover.RegionState],
+    prefer: RegionId | None,
+) -> None:
+    """``choose_backup`` answers from the wanted regions alone when one is up (O(wanted), not
+    O(regions)): the same backup, reason and residency flag as looking at every region."""
+    by_region = dict(zip(sorted(topology.regions), states, strict=False))
+    config = FailoverConfig()
+    for region in topology.regions:
+        kw = {"topology": topology, "states": by_region, "statuses": {}, "config": config,
+              "prefer": prefer}  # fmt: skip
+        quick = failover.choose_backup(region, **kw)  # type: ignore[arg-type]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(failover, "_wanted_and_up", lambda *a, **k: None)
+            full = failover.choose_backup(region, **kw)  # type: ignore[arg-type]
+        assert quick == full
