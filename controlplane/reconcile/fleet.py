@@ -20,7 +20,6 @@ Group tables
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,11 +92,12 @@ class FleetView:
 
 
 def _parse(entry: etcd.Entry, model: type[M], bad: list[BadValue]) -> M | None:
-    try:
-        return model.model_validate(json.loads(entry.value))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        bad.append(BadValue(entry.key, f"not JSON: {exc}"))
+    try:  # parsed and validated in one step by pydantic (a 500-region pass parses 6,000 keys)
+        return model.model_validate_json(entry.value)
     except pydantic.ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            bad.append(BadValue(entry.key, f"not JSON: {exc.errors()[0]['msg']}"))
+            return None
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
         )
