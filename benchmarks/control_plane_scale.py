@@ -229,11 +229,13 @@ def run_scale(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )  # fmt: skip
         argv = [sys.executable, "-m", "controlplane.cli", "--config", str(config)]
         ctl = ServerProcess(argv, log_path=work / f"controller-{n}.log")
+        errors = (work / f"publishers-{n}.log").open("w")
         publishers = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("_publishers.py")), "--etcd", etcd.url,
              "--regions", str(n), "--status-every-s", str(args.status_every_s)],
-            stdout=subprocess.PIPE, text=True, stderr=(work / f"publishers-{n}.log").open("w"),
+            stdout=subprocess.PIPE, text=True, stderr=errors,
         )  # fmt: skip
+        drain: threading.Thread | None = None
         health = Health(port)
         try:
             assert publishers.stdout is not None
@@ -242,7 +244,8 @@ def run_scale(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if not line.startswith("ready"):
                 raise RuntimeError(f"the publishers stopped: see {work}/publishers-{n}.log")
             log(f"  {agents} replicas published in {time.monotonic() - started:.1f} s")
-            threading.Thread(target=publishers.stdout.read, daemon=True).start()  # drain
+            drain = threading.Thread(target=publishers.stdout.read, daemon=True)
+            drain.start()
             first = health.window
             while health.window < first + 2:  # two passes: the grace window, then one judging
                 if ctl.exit_code() is not None:
@@ -271,6 +274,11 @@ def run_scale(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             publishers.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 publishers.wait(timeout=10)
+            if drain is not None:
+                drain.join(timeout=10)
+            if publishers.stdout is not None:
+                publishers.stdout.close()
+            errors.close()
             ctl.stop()
     durations = sorted(p[0] for p in passes)
     rate = {k: (after[k] - before[k]) / elapsed for k in ("puts", "txns", "ranges",
