@@ -159,6 +159,7 @@ class Health:
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}/health"
         self.passes: dict[int, tuple[float, int]] = {}
+        self._said = 0.0  # when progress was last logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -174,6 +175,12 @@ class Health:
     @property
     def window(self) -> int:
         return max(self.passes, default=-1)
+
+    def progress(self, begin: int, windows: int) -> None:
+        """Log how many of the measured windows have passed, every 15 s."""
+        if time.monotonic() - self._said >= 15:
+            self._said = time.monotonic()
+            log(f"  window {self.window - begin} of {windows}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -260,7 +267,7 @@ def run_scale(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if ctl.exit_code() is not None:
                     raise ctl.failure("the controller exited")
                 time.sleep(0.2)
-                log_progress(health, begin_window, args.windows)
+                health.progress(begin_window, args.windows)
             elapsed = time.monotonic() - t0
             after = etcd_metrics(etcd.url)
             cpu = {w: (cpu_s(p) - cpu0[w]) / elapsed
@@ -305,15 +312,6 @@ def run_scale(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     log(f"  pass p50 {p50_ms:.0f} ms, max {max_ms:.0f} ms; etcd {rate['puts']:.0f} puts/s; "
         f"controller {rss / 1024:.0f} MiB")  # fmt: skip
     return row
-
-
-_last_progress = [0.0]
-
-
-def log_progress(health: Health, begin: int, windows: int) -> None:
-    if time.monotonic() - _last_progress[0] >= 15:
-        _last_progress[0] = time.monotonic()
-        log(f"  window {health.window - begin} of {windows}")
 
 
 def _kib(x: float) -> str:

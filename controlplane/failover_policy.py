@@ -10,7 +10,7 @@ settings, below both.
 from __future__ import annotations
 
 import logging
-from typing import Final, Literal
+from typing import Final
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +19,7 @@ import meridian_etcd as etcd
 from controlplane.settings import ControllerSettings
 from meridian_wire.keys import PREFIX
 from policies import failover
+from policies.failover import ShareRule
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class PolicyValues(_Value):
         gt=0, description="a window fails above this p99 TTFT; null: not checked"
     )
     prewarm_fraction: float = Field(ge=0, le=1, description="backup floor share, 0..1")
-    shares: Literal["capacity", "equal"] = Field(
+    shares: ShareRule = Field(
         "capacity", description="a region's base share of its geography: capacity or equal"
     )
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.failover_policy import PolicyValues
 from meridian_wire.models import DnsApplied
+from policies.failover import ShareRule
 
 Action = Literal["drain", "undrain", "failover", "failback", "policies"]
 
@@ -62,7 +63,7 @@ class PoliciesUpdate(_Body):
     ttft_p99_slo_s: float | None = Field(None, gt=0, le=3600)
     ttft_check: bool | None = Field(None, description="false turns the TTFT check off")
     prewarm_fraction: float | None = Field(None, ge=0, le=1)
-    shares: Literal["capacity", "equal"] | None = Field(
+    shares: ShareRule | None = Field(
         None, description="a region's base share of its geography: capacity or equal"
     )
 

@@ -362,12 +362,9 @@ async def commit(
     some regions' keys newer than the plan; the next leader's first pass rewrites whatever
     differs from its own plan."""
     puts = {**prepared.puts, **(extra_puts or {})}
-    if len(puts) + len(deletes) <= settings.etcd.max_txn_ops:
-        await store.commit(puts=puts, deletes=deletes, fence=fence)
-    else:
-        last = {k: v for k, v in puts.items() if k == keys.PLAN or k in (extra_puts or {})}
-        rest = [(k, v) for k, v in puts.items() if k not in last]
-        await store.commit_batches(puts=rest, deletes=deletes, fence=fence, last=last)
+    last = {k: v for k, v in puts.items() if k == keys.PLAN or k in (extra_puts or {})}
+    rest = [(k, v) for k, v in puts.items() if k not in last]
+    await store.commit_batches(puts=rest, deletes=deletes, fence=fence, last=last)
     if on_commit is not None:
         on_commit(prepared)
     state, result = prepared.result.state, prepared.result

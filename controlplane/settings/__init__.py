@@ -13,7 +13,7 @@ import itertools
 import os
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +25,7 @@ from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import otlp
 from meridian_service import settings as settings_loading
 from meridian_wire.models import REGION_ID, RESIDENCY_TAG
+from policies.failover import ShareRule
 
 
 class _Group(BaseModel):
@@ -148,7 +149,7 @@ class FailoverSettings(_Group):
     prewarm_fraction: float = Field(
         0.5, ge=0, le=1, description="backup capacity floor, as a share of what it protects"
     )
-    shares: Literal["capacity", "equal"] = Field(
+    shares: ShareRule = Field(
         "capacity",
         description="each region's base share of its geography's traffic (DNS): its serving "
         "capacity, or equal",
