@@ -1,7 +1,10 @@
 """``create_app(settings)``: one controller replica — election, the window loop, and its ports.
 
 Every replica campaigns; the leader runs the window loop (``reconcile.windows``), fenced by its
-leader key.  Every replica serves two ports with one set of handlers (``api.routes``):
+leader key.  With ``probe.enabled`` every replica, leader or not, also probes the regions'
+published endpoints (``probing``) and stores its rounds for the leader to tally.
+
+Every replica serves two ports with one set of handlers (``api.routes``):
 
 * ``server.port`` (this app): ``/health`` for supervisors and load balancers, and the admin
   API's reads (``GET /v1/regions``, ``/v1/events``, ... — the same routes, roles and shapes);
@@ -31,6 +34,7 @@ from controlplane.api import server as admin
 from controlplane.dns import steering
 from controlplane.election import Election
 from controlplane.observability import ControllerMetrics
+from controlplane.probing import Prober
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from meridian_service.clock import Clock, WallClock
@@ -51,6 +55,7 @@ class Controller:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     dns: steering.DnsStats = field(default_factory=steering.DnsStats)  # across leaderships
     metrics: ControllerMetrics | None = None
+    prober: Prober | None = None  # with probe.enabled: this replica's probes of the regions
 
     @property
     def etcd_ok(self) -> bool:
@@ -152,6 +157,8 @@ def create_app(settings: ControllerSettings, *, clock: Clock | None = None) -> w
         instance=settings.election.id,
         regions=[r.id for r in settings.regions],
     )
+    if settings.probe.enabled:
+        controller.prober = Prober(settings, store=store, clock=clock, on_round=metrics.probed)
     api = admin.AdminApi(
         replica=controller,
         hooks=actions.Hooks(action=metrics.action, committed=metrics.committed),
@@ -183,10 +190,18 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
 
     def done(t: asyncio.Task[None]) -> None:
         if not t.cancelled() and t.exception() is not None:
-            log.error("election task crashed", exc_info=t.exception())
+            log.error("%s crashed", t.get_name(), exc_info=t.exception())
 
     task.add_done_callback(done)
+    probes = None
+    if controller.prober is not None:  # every replica probes, leader or not
+        probes = asyncio.create_task(controller.prober.run(), name="meridian-controller-probes")
+        probes.add_done_callback(done)
     yield
+    if probes is not None:
+        probes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probes
     await controller.election.resign()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

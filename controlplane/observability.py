@@ -29,6 +29,9 @@ Metrics (Prometheus names; docs/observability.md has the reference):
   ``meridian_controller_dns_generation{view, which}`` (``desired``, ``applied``),
   ``meridian_controller_dns_update_errors_total{kind}``;
 - ``meridian_controller_admin_actions_total{verb, result}``;
+- ``meridian_controller_probes_total{region, result}`` (``reached``, ``failed``): this replica's
+  probes of regions' endpoints, and ``meridian_controller_probe_reached{region}`` (1/0): whether
+  its last round reached the region (with ``probe.enabled``; every replica, leader or not);
 - ``meridian_controller_build_info{version}`` (1).
 """
 
@@ -49,6 +52,7 @@ from controlplane.dns.steering import DnsStats
 from controlplane.reconcile.windows import Prepared
 from meridian_service import otlp, version
 from meridian_service.metrics import by_label, labelled
+from meridian_wire.models import ProbeReport
 from policies.failover import RegionState, Verdict
 
 STATES: tuple[str, ...] = get_args(RegionState)
@@ -144,6 +148,8 @@ class ControllerMetrics:
         self._actions: Counter[tuple[str, ...]] = Counter(
             {(v, r): 0 for v in ACTION_VERBS for r in ACTION_RESULTS}
         )
+        self._probes: Counter[tuple[str, ...]] = Counter()
+        self._reached: dict[str, int] = {}
 
         def per_region(value: Callable[[Verdict], float]) -> Callback:
             def cb(_: CallbackOptions) -> Iterable[Observation]:
@@ -310,6 +316,18 @@ class ControllerMetrics:
             "undrain, failover, failback, policies) and result (applied, dry-run, refused, "
             "error, replayed).",
         )
+        meter.create_observable_counter(
+            "meridian_controller_probes",
+            callbacks=[labelled(self._probes, ("region", "result"))],
+            description="This replica's probes of regions' published endpoints, by region and "
+            "result (reached, failed).",
+        )
+        meter.create_observable_gauge(
+            "meridian_controller_probe_reached",
+            callbacks=[lambda _: [Observation(v, {"region": r}) for r, v in self._reached.items()]],
+            description="1 when this replica's last probe round reached the region (any of "
+            "its endpoints answered), else 0.",
+        )
         build = version.version()
         meter.create_observable_gauge(
             "meridian_controller_build_info",
@@ -350,6 +368,15 @@ class ControllerMetrics:
                 self._failovers[(region, cause)] += 1
             elif event.kind == "recovery":
                 self._recoveries[(region, recovery_cause(before.get(region)))] += 1
+
+    def probed(self, report: ProbeReport) -> None:
+        """One probe round of this replica ended."""
+        reached = {}
+        for region, probes in report.regions.items():
+            for p in probes:
+                self._probes[(region, "reached" if p.ok else "failed")] += 1
+            reached[region] = int(any(p.ok for p in probes))
+        self._reached = reached
 
     def window(self, *, duration_s: float, lateness_s: float) -> None:
         self._window_duration.record(max(0.0, duration_s))

@@ -19,6 +19,8 @@ routing/<r>/groups/<kind>-<first>             agent       ``GroupTable`` JSON, u
                                                            lease: buckets [first, end) -> group
 controller/leader                              controller  leader id, under the election lease
 controller/plan                                controller  ``FleetPlan`` JSON: the last good plan
+controller/probes/<c>                          controller  ``ProbeReport`` JSON under replica
+                                               replica <c> <c>'s probe lease: what it reached
 dns/applied                                    controller  last DNS plan applied, its generation
 events/<time>-<id>                             controller  ``Event`` JSON (retention applies)
 audit/<time>-<id>                              controller  who did what, when, why
@@ -35,6 +37,7 @@ REGIONS: Final = PREFIX + "regions/"
 ROUTING: Final = PREFIX + "routing/"
 LEADER: Final = PREFIX + "controller/leader"
 PLAN: Final = PREFIX + "controller/plan"
+PROBES: Final = PREFIX + "controller/probes/"
 DNS_APPLIED: Final = PREFIX + "dns/applied"
 EVENTS: Final = PREFIX + "events/"
 AUDIT: Final = PREFIX + "audit/"
@@ -105,6 +108,16 @@ def group(region: str, kind: str, first: int) -> str:
     if first < 0:
         raise ValueError(f"first bucket must not be negative; got {first}")
     return f"{ROUTING}{region}/groups/{kind}-{first:05d}"
+
+
+def probes(replica: str) -> str:
+    """``controller/probes/<replica>``: the last probe round of one controller replica."""
+    if not AGENT_ID.match(replica):
+        raise ValueError(
+            f"replica id {replica!r} must be 1-63 lowercase letters, digits, dots, dashes, "
+            "underscores (election.id)"
+        )
+    return f"{PROBES}{replica}"
 
 
 def event(at_ms: int, event_id: str) -> str:

@@ -126,6 +126,7 @@ class FleetPlan(_Value):
 
     ``serving`` is what DNS steering applies: per geography, region -> share of its traffic.
     ``state`` is the failover policy's own state, opaque to everyone but the controller;
+    ``unreachable`` is what the last pass judged of the probes (an event when it changes);
     ``last_status`` keeps each region's last valid status, so a malformed one is ignored for a
     window rather than counted as missing.
     """
@@ -135,6 +136,10 @@ class FleetPlan(_Value):
     alert: str | None = None
     state: dict[str, Any] = Field(default_factory=dict)
     last_status: dict[str, RegionStatus] = Field(default_factory=dict)
+    unreachable: list[str] = Field(
+        default_factory=list,
+        description="regions a majority of the controller replicas that probed could not reach",
+    )
     updated_at: float = 0.0
     controller: str = ""
 
@@ -160,6 +165,28 @@ class GroupTable(_Value):
                 f"range [{self.first}, {self.end}) is not a non-empty span of [0, {self.n_buckets})"
             )
         return self
+
+
+class EndpointProbe(_Value):
+    """One probe of one of a region's published endpoints (``ProbeReport.regions``)."""
+
+    endpoint: str
+    ok: bool = Field(description="the endpoint answered (2xx, or 401/403: reached, key refused)")
+    status: int | None = Field(None, description="HTTP status; None: no answer")
+    latency_ms: float | None = Field(None, ge=0, description="time to the answer, ms")
+    error: str = Field("", description="why not ok, e.g. 'timed out after 2 s'")
+
+
+class ProbeReport(_Value):
+    """One controller replica's last probe round (``controller/probes/<replica>``), under the
+    replica's own lease: a replica that stops probing stops counting."""
+
+    replica: str
+    at: float = Field(description="unix time the round ended")
+    interval_s: float = Field(gt=0, description="the replica's probe interval")
+    regions: dict[str, list[EndpointProbe]] = Field(
+        default_factory=dict, description="region -> a probe of each of its endpoints"
+    )
 
 
 class Event(_Value):

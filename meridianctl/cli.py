@@ -178,6 +178,8 @@ def _state(row: dict[str, Any]) -> str:
         state += f" ({row['admin']})"
     if not row.get("alive"):
         state += " [no lease]"
+    if row.get("unreachable"):
+        state += " [unreachable]"
     return state
 
 
@@ -240,6 +242,15 @@ def regions_show(ctx: click.Context, region: str, output: str) -> None:
     if override:
         what = "manual failover" if override.get("failover") else f"admin {override['admin']}"
         pairs.append(("override", f"{what} by {override.get('by') or '?'}: {override['reason']}"))
+    if data.get("reach"):
+        pairs.append(("probes", data["reach"]["reason"]))
+    for replica, probed in sorted((data.get("probes") or {}).items()):
+        for p in probed["probes"]:
+            seen = "ok" if p["ok"] else "FAILED"
+            detail = f"{p['error']}" if p.get("error") else f"{_fmt(p.get('latency_ms'))} ms"
+            pairs.append(
+                (f"  {replica}", f"{p['endpoint']} {seen}: {detail} ({probed['age_s']:.0f} s ago)")
+            )
     width = max(len(k) for k, _ in pairs)
     for key, value in pairs:
         click.echo(f"{key.ljust(width)}  {value}")

@@ -52,11 +52,14 @@ ROW: Shape = {
     "alive": bool,
     "admin?": OPT_STR,
     "manual_failover?": bool,
+    "unreachable?": bool,
 }
 REGIONS: Shape = {"regions": [ROW], "window": int, "serving": SERVING, "alert?": OPT_STR}
 REGION: Shape = {
     "row": {**ROW, "geo": OPT_STR, "residency": [str], "reason": str},
     "override": Opt({"failover?": bool, "admin?": str, "reason": str, "by?": OPT_STR}),
+    "probes?": Map({"age_s": NUM, "probes": [{"endpoint": str, "ok": bool, "error?": str}]}),
+    "reach?": Opt({"reason": str, "unreachable": bool}),
 }
 RECORD: Shape = {"name": str, "ttl_s": int, "type": str, "values": [str]}
 DNS_VIEW: Shape = {"geo": str, "zone": str, "reason": str, "records?": [RECORD], "hold?": bool}

@@ -11,8 +11,10 @@ and may call it between windows with ``judge=False`` (an operator's drain or man
 takes effect at once, without counting a window).  ``previous`` is the last call's
 ``result.state`` (``FleetState()`` the first time).
 
-**A window** (:func:`judge_window`) fails when the region's liveness lease is gone, its status is
-missing or older than ``status_stale_s``, fewer than ``min_healthy_fraction`` of its nodes are
+**A window** (:func:`judge_window`) fails when the region's liveness lease is gone, a majority
+of the controller replicas that probed its endpoints could not reach it
+(``Observation.reach``, :mod:`policies.probing`), its status is missing or older than
+``status_stale_s``, fewer than ``min_healthy_fraction`` of its nodes are
 healthy (a region with no nodes fails), its error rate is above ``max_error_rate``, or its p99
 time to first token is above ``ttft_p99_slo_s`` (an unknown TTFT is not a failure).  Thresholds
 are strict: exactly at the limit passes.
@@ -80,6 +82,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal, NewType, get_args
+
+from policies.probing import Reach
 
 RegionId = NewType("RegionId", str)
 RegionState = Literal["healthy", "suspect", "failed", "recovering", "drained"]
@@ -184,6 +188,7 @@ class Observation:
     admin: RegionAdmin = "active"  # the operator's admin state
     manual_failover: bool = False  # an operator's manual failover is in force
     failover_target: RegionId | None = None  # the operator's chosen backup, while manual
+    reach: Reach | None = None  # the controller replicas' probes (None: no replica voted)
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status_age_s is None:
@@ -362,6 +367,8 @@ def judge_window(observation: Observation, *, config: FailoverConfig) -> WindowR
     problems: list[str] = []
     if not observation.alive:
         problems.append("liveness lease gone")
+    if observation.reach is not None and observation.reach.unreachable:
+        problems.append(observation.reach.reason)
     status, age_s = observation.status, observation.status_age_s
     if status is None or age_s is None:
         problems.append("no status")

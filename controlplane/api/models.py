@@ -129,6 +129,11 @@ class RegionRow(_Out):
     floor: float | None = Field(description="capacity kept warm for regions it protects")
     admin: str = "active"
     manual_failover: bool = False
+    unreachable: bool = Field(
+        False,
+        description="a majority of the controller replicas that probed its endpoints could not "
+        "reach it, at the last pass (probe.enabled)",
+    )
     reason: str = ""
 
 
@@ -154,6 +159,16 @@ class RegionDetail(_Out):
         default_factory=dict,
         description="its group routing tables per kind: groups and their buckets, ranges "
         "stored, staleness (routing.policy = groups)",
+    )
+    probes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="each controller replica's last probe of its endpoints: the round's age "
+        "and, per endpoint, ok, HTTP status, latency and error (probe.enabled)",
+    )
+    reach: dict[str, Any] | None = Field(
+        None,
+        description="the replicas' votes now: reached, failed, unreachable, reason; null when "
+        "no replica's round votes",
     )
 
 

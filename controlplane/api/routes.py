@@ -183,6 +183,7 @@ def _rows(view: fleet.FleetView, configured: dict[str, tuple[str, list[str]]]) -
                 floor=desired.capacity_floor if desired else None,
                 admin=override.admin if override else "active",
                 manual_failover=bool(override and override.failover),
+                unreachable=region in view.plan.unreachable,
                 reason=health.reason if health else "",
             )
         )
@@ -218,6 +219,21 @@ async def get_region(call: Call) -> RegionDetail:
     def dump(m: pydantic.BaseModel | None) -> dict[str, Any] | None:
         return m.model_dump(mode="json") if m is not None else None
 
+    now = call.replica.clock.now()
+    status = record.status or view.plan.last_status.get(region)
+    reach = None
+    if status is not None:
+        votes = fleet.reach(
+            view, region, status.endpoints, now=now,
+            max_age_s=call.replica.settings.probe.vote_age_s,
+        )  # fmt: skip
+        if votes is not None:
+            reach = {
+                "reached": list(votes.reached),
+                "failed": list(votes.failed),
+                "unreachable": votes.unreachable,
+                "reason": votes.reason,
+            }
     return RegionDetail(
         row=rows[region],
         status=dump(record.status or view.plan.last_status.get(region)),
@@ -225,7 +241,9 @@ async def get_region(call: Call) -> RegionDetail:
         desired=dump(record.desired),
         override=dump(record.override),
         agents=fleet.describe_agents(record),
-        tables=fleet.describe_tables(record, now=call.replica.clock.now()),
+        tables=fleet.describe_tables(record, now=now),
+        probes=fleet.describe_probes(view, region, now=now),
+        reach=reach,
     )
 
 

@@ -16,6 +16,11 @@ Group tables
     or name a group that none of the region's agents reports (``RegionStatus.group_layout``)
     are reported as bad values and ignored, so a region's sessions are never seen as served by
     another region's GPUs.
+
+Probe reports
+    ``controller/probes/<replica>`` is each controller replica's last probe round of the
+    regions' published endpoints (``controlplane.probing``); :func:`reach` tallies them for a
+    region (``policies.probing``).
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from meridian_wire import keys
 from meridian_wire.models import (
     FleetPlan,
     GroupTable,
+    ProbeReport,
     RegionDesired,
     RegionHealth,
     RegionLoad,
     RegionOverride,
     RegionStatus,
 )
-from policies import groups
+from policies import groups, probing
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +94,11 @@ class RegionRecord:
 class FleetView:
     regions: dict[str, RegionRecord] = field(default_factory=dict)
     plan: FleetPlan = field(default_factory=FleetPlan)
+    probes: dict[str, ProbeReport] = field(default_factory=dict)  # replica -> its last round
     bad: list[BadValue] = field(default_factory=list)
 
 
-def _parse(entry: etcd.Entry, model: type[M], bad: list[BadValue]) -> M | None:
+def parse(entry: etcd.Entry, model: type[M], bad: list[BadValue]) -> M | None:
     try:  # parsed and validated in one step by pydantic (a 500-region pass parses 6,000 keys)
         return model.model_validate_json(entry.value)
     except pydantic.ValidationError as exc:
@@ -106,7 +113,7 @@ def _parse(entry: etcd.Entry, model: type[M], bad: list[BadValue]) -> M | None:
 
 
 def _agent_status(entry: etcd.Entry, region: str, agent: AgentRecord, bad: list[BadValue]) -> None:
-    agent.status = _parse(entry, RegionStatus, bad)
+    agent.status = parse(entry, RegionStatus, bad)
     if agent.status is not None and agent.status.region != region:
         bad.append(BadValue(entry.key, f"names region {agent.status.region!r}, not {region!r}"))
         agent.status = None
@@ -196,7 +203,7 @@ def _tables(view: FleetView, entries: Sequence[etcd.Entry]) -> None:
         if where is None:
             continue  # not a group-table key (flat tables, other data): not ours to judge
         region, kind, first = where
-        value = _parse(entry, GroupTable, view.bad)
+        value = parse(entry, GroupTable, view.bad)
         if value is None:
             continue
         record = view.regions.get(region)
@@ -294,18 +301,24 @@ async def read(store: etcd.Store, *, tables: bool = False) -> FleetView:
             else:
                 _agent_status(entry, region, legacy, view.bad)
         elif leaf == "desired":
-            record.desired = _parse(entry, RegionDesired, view.bad)
+            record.desired = parse(entry, RegionDesired, view.bad)
         elif leaf == "health":
-            record.health = _parse(entry, RegionHealth, view.bad)
+            record.health = parse(entry, RegionHealth, view.bad)
         elif leaf == "override":
-            record.override = _parse(entry, RegionOverride, view.bad)
+            record.override = parse(entry, RegionOverride, view.bad)
     for record in view.regions.values():
         _settle(record)
     if tables:
         _tables(view, (await store.get_prefix(keys.ROUTING)).entries)
     plan = await store.get(keys.PLAN)
     if plan is not None:
-        view.plan = _parse(plan, FleetPlan, view.bad) or FleetPlan()
+        view.plan = parse(plan, FleetPlan, view.bad) or FleetPlan()
+    for entry in (await store.get_prefix(keys.PROBES)).entries:
+        report = parse(entry, ProbeReport, view.bad)
+        if report is not None and entry.key != keys.PROBES + report.replica:
+            view.bad.append(BadValue(entry.key, f"names replica {report.replica!r}"))
+        elif report is not None:
+            view.probes[report.replica] = report
     for problem in view.bad:
         log.warning(
             "ignoring a bad value in etcd this window key=%s problem=%s",
@@ -313,6 +326,37 @@ async def read(store: etcd.Store, *, tables: bool = False) -> FleetView:
             problem.problem,
         )
     return view
+
+
+def reach(
+    view: FleetView, region: str, endpoints: list[str], *, now: float, max_age_s: float
+) -> probing.Reach | None:
+    """The controller replicas' votes on ``region`` (``policies.probing.tally``)."""
+    rounds = [
+        probing.Round(
+            replica=report.replica,
+            at=report.at,
+            probes=tuple(
+                probing.Probe(endpoint=p.endpoint, ok=p.ok, error=p.error)
+                for p in report.regions[region]
+            ),
+        )
+        for report in view.probes.values()
+        if region in report.regions
+    ]
+    return probing.tally(region, rounds, endpoints=endpoints, now=now, max_age_s=max_age_s)
+
+
+def describe_probes(view: FleetView, region: str, *, now: float) -> dict[str, object]:
+    """Each replica's last probes of ``region`` for the read API, with the round's age."""
+    return {
+        replica: {
+            "age_s": round(max(0.0, now - report.at), 3),
+            "probes": [p.model_dump() for p in report.regions[region]],
+        }
+        for replica, report in sorted(view.probes.items())
+        if region in report.regions
+    }
 
 
 def describe_agents(record: RegionRecord) -> dict[str, dict[str, object]]:

@@ -45,7 +45,7 @@ from meridian_wire.models import (
     RegionOverride,
     RegionStatus,
 )
-from policies import failover
+from policies import failover, probing
 from policies.failover import RegionId
 
 log = logging.getLogger(__name__)
@@ -245,12 +245,20 @@ async def prepare(
     }
     topology = topology_from(settings, statuses)
     observations = []
+    reaches: dict[str, probing.Reach] = {}
     for region in topology.regions:
         record = view.regions.get(region) or fleet.RegionRecord(region=region)
         # a malformed status this window: judge on the last valid one (ignored, not missing)
         status = record.status or (last_status.get(region) if record.status_bad else None)
         override = record.override
         target = override.target if override is not None and override.failover else None
+        reach = None
+        if status is not None and view.probes:
+            reach = fleet.reach(
+                view, region, status.endpoints, now=now, max_age_s=settings.probe.vote_age_s
+            )
+            if reach is not None:
+                reaches[region] = reach
         observations.append(
             failover.Observation(
                 region=RegionId(region),
@@ -260,6 +268,7 @@ async def prepare(
                 admin=override.admin if override is not None else "active",
                 manual_failover=bool(override is not None and override.failover),
                 failover_target=RegionId(target) if target and target in topology.regions else None,
+                reach=reach,
             )
         )
     previous = state_from_json(view.plan.state)
@@ -317,6 +326,7 @@ async def prepare(
         alert=state.alert,
         state=state_to_json(state),
         last_status=statuses,
+        unreachable=sorted(r for r, reach in reaches.items() if reach.unreachable),
         updated_at=now,
         controller=controller,
     )
@@ -332,6 +342,7 @@ async def prepare(
         )
         for e in result.events
     ]
+    events += _probe_events(view.plan.unreachable, reaches, now=now, controller=controller)
     for event in events:
         puts[keys.event(int(event.at * 1000), uuid.uuid4().hex[:8])] = (
             event.model_dump_json().encode()
@@ -339,6 +350,30 @@ async def prepare(
     return Prepared(
         view=view, previous=previous, result=result, topology=topology, puts=puts, events=events
     )
+
+
+def _probe_events(
+    before: list[str], reaches: Mapping[str, probing.Reach], *, now: float, controller: str
+) -> list[Event]:
+    """A ``probe`` event for each region the replicas' probes find unreachable, or reachable
+    again, since the last pass."""
+    out = []
+    for region in sorted(set(before) | set(reaches)):
+        reach = reaches.get(region)
+        was, now_unreachable = region in before, reach is not None and reach.unreachable
+        if was == now_unreachable:
+            continue
+        reason = "no replica probes it any more" if reach is None else reach.reason
+        data: dict[str, object] = {"unreachable": now_unreachable}
+        if reach is not None:
+            data |= {"reached": list(reach.reached), "failed": list(reach.failed)}
+        out.append(
+            Event(
+                at=now, kind="probe", region=region, reason=reason, data=data,
+                controller=controller,
+            )
+        )  # fmt: skip
+    return out
 
 
 async def commit(
@@ -371,7 +406,7 @@ async def commit(
     for event in prepared.events:
         level = (
             logging.WARNING
-            if event.kind in ("state", "failover", "alert", "residency")
+            if event.kind in ("state", "failover", "alert", "residency", "probe")
             else logging.INFO
         )
         log.log(

@@ -200,6 +200,78 @@ class RegionConfig(_Group):
         return value
 
 
+class ProbeSettings(_Group):
+    """Probing regions' published endpoints from every controller replica (docs/controller.md,
+    "Probing from outside")."""
+
+    enabled: bool = Field(
+        False,
+        description="probe every region's published endpoints from this replica; a window fails "
+        "when a majority of the replicas that probed could not reach the region",
+    )
+    interval_s: float = Field(10.0, gt=0, description="one probe round every this many seconds")
+    timeout_s: float = Field(
+        2.0, gt=0, description="a probe not answered within this fails (connect and answer)"
+    )
+    path: str = Field(
+        "/v1/models",
+        description="the cheap OpenAI call each probe makes (GET); no GPU work on the agent",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="file holding the API key the probes send as 'Authorization: Bearer' (one "
+        "line; never logged); a 401 or 403 still counts as reached",
+    )
+    ca_file: Path | None = Field(
+        None, description="PEM CA that signed https:// endpoints' certificates; default: system"
+    )
+    max_age_s: float | None = Field(
+        None,
+        gt=0,
+        description="a replica's round older than this does not vote; default 3 x interval_s",
+    )
+    concurrency: int = Field(64, ge=1, description="probes in flight at once per replica")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"probe.path must start with '/', e.g. /v1/models; got {value!r}")
+        return value
+
+    @field_validator("api_key_file", "ca_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value}: no such file")
+        return value
+
+    @model_validator(mode="after")
+    def _timing(self) -> ProbeSettings:
+        if self.timeout_s >= self.interval_s:
+            raise ValueError(
+                f"probe.timeout_s ({self.timeout_s:g} s) must be below probe.interval_s "
+                f"({self.interval_s:g} s): a round must end before the next starts"
+            )
+        if self.max_age_s is not None and self.max_age_s < self.interval_s:
+            raise ValueError(
+                f"probe.max_age_s ({self.max_age_s:g} s) must be at least probe.interval_s "
+                f"({self.interval_s:g} s), or every round is stale before the next"
+            )
+        return self
+
+    @property
+    def vote_age_s(self) -> float:
+        """How old a replica's round may be and still vote."""
+        return self.max_age_s if self.max_age_s is not None else 3 * self.interval_s
+
+    def api_key(self) -> str | None:
+        """The key from ``api_key_file``, read now (rotated keys are picked up each round)."""
+        if self.api_key_file is None:
+            return None
+        return self.api_key_file.read_text().strip() or None
+
+
 class EventSettings(_Group):
     retention: int = Field(1000, ge=10, description="events kept in etcd; older ones are pruned")
 
@@ -226,6 +298,7 @@ class ControllerSettings(BaseSettings):
     latency_ms: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="round-trip latency between regions, ms (for backups)"
     )
+    probe: ProbeSettings = ProbeSettings()
     events: EventSettings = EventSettings()
     server: ServerSettings = ServerSettings()
     api: ApiSettings = Field(

@@ -344,12 +344,15 @@ class AgentProc:
 class Proxy:
     """Forwards ``127.0.0.1:<port>`` to ``target``.  ``partition()`` cuts every connection and
     blackholes new ones (accepted, never forwarded: what a dead link looks like, not a refusal);
-    ``heal()`` forwards again."""
+    ``heal()`` forwards again.  ``blackhole_for(marker)`` blackholes only the new connections
+    whose first bytes hold ``marker`` (one client's view of a dead link: an HTTP client's
+    ``User-Agent``, say); ``blackhole_for(None)`` ends that."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
         self.partitioned = False
+        self.marker: bytes | None = None
         self._pairs: set[asyncio.Task[None]] = set()
         self._held: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
@@ -378,6 +381,11 @@ class Proxy:
         for task in list(self._pairs):
             task.cancel()
 
+    def blackhole_for(self, marker: bytes | None) -> None:
+        self.marker = marker
+        for task in list(self._pairs):
+            task.cancel()  # clients reconnect, and the new connections are sorted
+
     def heal(self) -> None:
         self.partitioned = False
         for w in self._held:
@@ -388,6 +396,12 @@ class Proxy:
         if self.partitioned:
             self._held.append(writer)  # never answered
             return
+        first = b""
+        if self.marker is not None:
+            first = await reader.read(65536)
+            if self.marker in first:
+                self._held.append(writer)
+                return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -397,6 +411,7 @@ class Proxy:
         assert task is not None
         self._pairs.add(task)
         try:
+            up_writer.write(first)
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         except asyncio.CancelledError:
             pass

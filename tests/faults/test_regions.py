@@ -1,12 +1,14 @@
-"""Region and control-plane faults: an agent killed or cut off from etcd, etcd members and quorum
-lost, the leading controller killed, the DNS server killed during a failover, a clock step.
+"""Region and control-plane faults: an agent killed or cut off from etcd, a region's public
+endpoint blackholed while its agent is healthy, etcd members and quorum lost, the leading
+controller killed, the DNS server killed during a failover, a clock step.
 
 Two regions of one geography (eu-west, its backup eu-north), each one ``meridian-sim`` node
 behind a ``meridian-agent`` process; ``meridian-controller`` processes (two replicas) over real
 etcd.  Windows of 1 s, 2 strikes, one good window and a 0.5 → 1.0 ramp to recover, a 2 s agent
 lease.  The bounds follow: a dead region is failed within ``lease_ttl_s + strikes * window_s``
 plus one window of phase; it is whole again within ``(recovery_windows + len(ramp) + 1)``
-windows of its agent answering; a dead leader is replaced within its lease TTL and a poll.
+windows of its agent answering; a dead leader is replaced within its lease TTL and a poll; a
+region no replica can reach is failed within a probe round (interval + timeout) and the strikes.
 """
 
 from __future__ import annotations
@@ -68,15 +70,20 @@ REGIONS = ("eu-west", "eu-north")
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _agent_toml(region: str, node: NodeProc, *, port: int, etcd: list[str]) -> str:
-    return fast_agent_toml(
-        region=region, geo="eu", residency=["eu"], endpoint=f"http://127.0.0.1:{port}",
-        etcd=etcd, nodes=[node.url], lease_ttl_s=AGENT_TTL_S, window_s=HEARTBEAT_S,
-    )  # fmt: skip
+PROBE_INTERVAL_S, PROBE_TIMEOUT_S = 1.0, 0.8
+PROBE_BOUND_S = PROBE_INTERVAL_S + PROBE_TIMEOUT_S + STRIKES * WINDOW_S + WINDOW_S + SLACK_S
+PROBE_TOML = f"""
+[probe]
+enabled = true
+interval_s = {PROBE_INTERVAL_S}
+timeout_s = {PROBE_TIMEOUT_S}
+"""
 
 
-def _controller_toml(name: str, *, port: int, etcd: list[str]) -> str:
-    return f"""
+def _controller_toml(name: str, *, port: int, etcd: list[str], probe: bool = False) -> str:
+    return (
+        (PROBE_TOML if probe else "")
+        + f"""
 [etcd]
 endpoints = {json.dumps(etcd)}
 timeout_s = 1.0
@@ -110,14 +117,15 @@ geo = "eu"
 residency = ["eu"]
 backups = ["eu-west"]
 """
+    )
 
 
 class ControllerProc:
-    def __init__(self, name: str, logs: Path, etcd: list[str]) -> None:
+    def __init__(self, name: str, logs: Path, etcd: list[str], *, probe: bool = False) -> None:
         self.name = name
         self.port = free_port()
         self.config = logs / f"{name}.toml"
-        self.config.write_text(_controller_toml(name, port=self.port, etcd=etcd))
+        self.config.write_text(_controller_toml(name, port=self.port, etcd=etcd, probe=probe))
         self.logs = logs
         self.process: ServerProcess | None = None
 
@@ -145,7 +153,17 @@ class ControllerProc:
 class Fleet:
     """Regions (node + agent processes) and controller processes over ``etcd``."""
 
-    def __init__(self, logs: Path, etcd: list[str], *, agent_etcd: dict[str, list[str]]) -> None:
+    def __init__(
+        self,
+        logs: Path,
+        etcd: list[str],
+        *,
+        agent_etcd: dict[str, list[str]],
+        fronts: dict[str, Proxy] | None = None,
+        probe: bool = False,
+    ) -> None:
+        """``fronts``: a region whose published endpoint is this proxy (started by the test),
+        which ``start`` points at the region's agent; ``probe``: the controllers probe."""
         self.logs = logs
         self.etcd = etcd
         self.store = etcd_client(*etcd, timeout_s=1.0)
@@ -153,17 +171,29 @@ class Fleet:
         self.agents: dict[str, AgentProc] = {}
         self.controllers: dict[str, ControllerProc] = {}
         self._agent_etcd = agent_etcd
+        self._fronts = fronts or {}
+        self._probe = probe
 
     def start(self, controllers: int = 2) -> Fleet:
         for i, region in enumerate(REGIONS):
             (node,) = start_nodes(1, self.logs, time_scale=5.0, seed=i)
             self.nodes[region] = node
             port = free_port()
-            config = _agent_toml(region, node, port=port, etcd=self._agent_etcd[region])
+            front = self._fronts.get(region)
+            endpoint = f"http://127.0.0.1:{port}"
+            if front is not None:
+                front.target, endpoint = ("127.0.0.1", port), front.url
+            config = fast_agent_toml(
+                region=region, geo="eu", residency=["eu"], endpoint=endpoint,
+                etcd=self._agent_etcd[region], nodes=[node.url], lease_ttl_s=AGENT_TTL_S,
+                window_s=HEARTBEAT_S,
+            )  # fmt: skip
             self.agents[region] = AgentProc(port=port, log_dir=self.logs, config=config).start()
         for i in range(controllers):
             name = f"ctl-{'ab'[i]}"
-            self.controllers[name] = ControllerProc(name, self.logs, self.etcd).start()
+            self.controllers[name] = ControllerProc(
+                name, self.logs, self.etcd, probe=self._probe
+            ).start()
         return self
 
     async def health(self, region: str) -> RegionHealth | None:
@@ -270,6 +300,57 @@ async def test_an_agent_cut_off_from_etcd_keeps_serving_and_its_region_fails_ove
     finally:
         await fleet.close()
         await proxy.close()
+
+
+async def test_a_region_whose_public_endpoint_is_blackholed_is_failed_by_the_probes(
+    logs: Path, etcd1: EtcdServer, report: Report
+) -> None:
+    """eu-west's agent and node stay healthy and keep publishing so; only the address clients
+    use (a TCP proxy standing in for its load balancer) goes dead.  Both controller replicas
+    probe it, fail to reach it, and the leader fails the region to eu-north; healed, it ramps
+    back."""
+    front = await Proxy("127.0.0.1", 1).start()  # pointed at eu-west's agent by Fleet.start
+    fleet = Fleet(
+        logs, [etcd1.url], agent_etcd={r: [etcd1.url] for r in REGIONS},
+        fronts={"eu-west": front}, probe=True,
+    )  # fmt: skip
+    try:
+        await _started(fleet)
+        async with Traffic(front.url, concurrency=2) as traffic:
+            await traffic.requests(5)
+        front.partition()
+        detect = await seconds_until(
+            lambda: fleet.is_state("eu-west", "failed"), timeout_s=30, what="eu-west failed"
+        )
+        west = await fleet.health("eu-west")
+        assert west is not None and "unreachable from 2 of 2 controller replicas" in west.reason
+        north = await fleet.health("eu-north")
+        assert north is not None and north.state == "healthy"
+        entry = await fleet.store.get(keys.agent_status("eu-west", "eu-west-a1"))
+        assert entry is not None
+        status = RegionStatus.model_validate_json(entry.value)
+        assert status.nodes_healthy == status.nodes_total == 1  # the agent says all is well
+        async with Traffic(fleet.agents["eu-west"].url, concurrency=2) as direct:
+            await direct.requests(5)  # and it serves whoever reaches it
+        assert direct.tally.lost == 0
+        front.heal()
+        recover = await seconds_until(
+            lambda: fleet.is_state("eu-west", "healthy", 1.0), timeout_s=60,
+            what="eu-west healthy again",
+        )  # fmt: skip
+        report.add(Row(
+            case="region endpoint blackholed",
+            fault="a TCP proxy standing in for eu-west's load balancer blackholes every "
+            "connection; its agent and node stay healthy",
+            detect_s=round(detect, 2), detect_bound_s=PROBE_BOUND_S,
+            recover_s=round(recover, 2), recover_bound_s=RECOVER_BOUND_S + PROBE_INTERVAL_S,
+            note="detect: a probe round (interval + timeout) + strikes x window; both "
+            "controller replicas probe",
+        ))  # fmt: skip
+        assert detect <= PROBE_BOUND_S
+    finally:
+        await fleet.close()
+        await front.close()
 
 
 def _relaunch_member(member: EtcdServer) -> ServerProcess:

@@ -43,7 +43,12 @@ def token_settings() -> list[dict[str, str]]:
 
 
 def settings(
-    etcd_url: str, name: str, *, tls: dict[str, Path] | None = None, **failover: Any
+    etcd_url: str,
+    name: str,
+    *,
+    tls: dict[str, Path] | None = None,
+    probe: dict[str, Any] | None = None,
+    **failover: Any,
 ) -> ControllerSettings:
     api: dict[str, Any] = {"port": 0, "tokens": token_settings()}
     if tls is not None:
@@ -61,14 +66,18 @@ def settings(
         regions=list(REGIONS),
         server={"port": 0},
         api=api,
+        probe=probe or {},
     )
 
 
 class Stack:
     """Controllers and stand-in agents; ``close()`` stops everything."""
 
-    def __init__(self, etcd_url: str) -> None:
+    def __init__(self, etcd_url: str, *, endpoints: dict[str, str] | None = None) -> None:
+        """``endpoints``: what a stand-in agent publishes as its region's endpoint (default
+        ``http://<region>.example:8080``)."""
         self.etcd_url = etcd_url
+        self.endpoints = endpoints or {}
         self.runners: dict[str, web.AppRunner] = {}
         self.agents: list[asyncio.Task[None]] = []
         self.up = {r["id"]: True for r in REGIONS}
@@ -115,7 +124,7 @@ class Stack:
                         region=region,
                         geo=info["geo"],
                         residency=info["residency"],
-                        endpoints=[f"http://{region}.example:8080"],
+                        endpoints=[self.endpoints.get(region, f"http://{region}.example:8080")],
                         nodes_healthy=4,
                         nodes_total=4,
                         capacity=4.0,
@@ -148,11 +157,14 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def leading(etcd_url: str) -> AsyncIterator[Stack]:
-    """A stack whose agents publish and whose one controller, ``ctl-a``, leads; closed after."""
-    s = Stack(etcd_url)
+async def leading(
+    etcd_url: str, *, endpoints: dict[str, str] | None = None, **controller: Any
+) -> AsyncIterator[Stack]:
+    """A stack whose agents publish and whose one controller, ``ctl-a``, leads; closed after.
+    ``controller``: more settings of ``ctl-a`` (``probe={...}``, failover fields)."""
+    s = Stack(etcd_url, endpoints=endpoints)
     s.start_agents()
-    await s.controller("ctl-a")
+    await s.controller("ctl-a", **controller)
     await s.leader()
     try:
         yield s

@@ -26,7 +26,7 @@ from meridianctl.cli import cli
 from meridianctl.errors import CtlError, Exit
 from tests.conftest import NodeFactory
 from tests.meridianctl.conftest import Ctl, Ran
-from tests.meridianctl.stack import REGIONS, TOKENS, Stack, token_settings
+from tests.meridianctl.stack import REGIONS, TOKENS, Stack, leading, token_settings
 from tests.support import EtcdServer, free_port
 from tests.support.agent import AgentFactory
 
@@ -453,3 +453,50 @@ async def test_a_server_that_is_not_the_admin_api_is_named_with_what_it_answered
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"meridianctl: {etcd.url}/v1/regions is not the controller's")
     assert "404 page not found" in done.stderr
+
+
+async def test_status_marks_a_region_the_probes_cannot_reach_and_regions_show_says_why(
+    etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """ctl-a probes (``probe.enabled``): eu-west and us-east publish a real agent's address,
+    eu-north a closed port.  eu-north is failed with the probe's reason, ``status`` marks it
+    unreachable, and ``regions show`` prints the vote and the probe of each endpoint."""
+    agent = await start_agent([await sim_node()])
+    endpoints = {
+        "eu-west": agent.url,
+        "us-east": agent.url,
+        "eu-north": f"http://127.0.0.1:{free_port()}",
+    }
+    probe = {"enabled": True, "interval_s": 0.5, "timeout_s": 0.4}
+    async with leading(etcd.url, endpoints=endpoints, probe=probe) as stack:
+
+        for _ in range(300):  # 15 s
+            if await _state(stack, "eu-north") == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert await _state(stack, "eu-north") == "failed", "eu-north not failed by the probes"
+        assert await _state(stack, "eu-west") == "healthy"
+        status = await _ctl_at(stack.url("ctl-a"), "status")
+        assert status.code == 0, status.err
+        north_row = next(line for line in status.out.splitlines() if line.startswith("eu-north"))
+        assert "failed [unreachable]" in north_row
+        west_row = next(line for line in status.out.splitlines() if line.startswith("eu-west"))
+        assert "unreachable" not in west_row
+
+        shown = await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-north")
+        assert shown.code == 0, shown.err
+        lines = {
+            k.strip(): v.strip()
+            for k, _, v in (line.partition("  ") for line in shown.out.splitlines())
+        }
+        assert lines["probes"].startswith("unreachable from 1 of 1 controller replicas")
+        assert re.search(r"ctl-a\s+http://127\.0\.0\.1:\d+ FAILED: cannot connect", shown.out)
+        west = await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-west")
+        assert "reached by 1 of 1 controller replicas" in west.out
+        assert re.search(rf"ctl-a\s+{re.escape(agent.url)} ok: [\d.]+ ms", west.out)
+        as_json = json.loads(
+            (await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-north", "-o", "json")).out
+        )
+        assert as_json["reach"]["failed"] == ["ctl-a"] and as_json["row"]["unreachable"] is True
+        (probed,) = as_json["probes"]["ctl-a"]["probes"]
+        assert probed["ok"] is False and probed["status"] is None
