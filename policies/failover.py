@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal, NewType, get_args
 
@@ -89,7 +89,9 @@ RegionId = NewType("RegionId", str)
 RegionState = Literal["healthy", "suspect", "failed", "recovering", "drained"]
 RegionAdmin = Literal["active", "draining", "drained"]
 ShareRule = Literal["capacity", "equal"]
-EventKind = Literal["strike", "state", "failover", "floor", "recovery", "alert", "residency"]
+EventKind = Literal[
+    "strike", "state", "failover", "floor", "recovery", "alert", "residency", "model"
+]
 EventValue = str | int | float | bool | None | tuple[str, ...]
 
 STATES: Final[frozenset[str]] = frozenset(get_args(RegionState))
@@ -170,6 +172,7 @@ class StatusSnapshot:
     kv_util: float = 0.0  # mean KV-cache use of healthy nodes, 0..1 (load, for headroom)
     queue_depth: int = 0  # requests waiting in the agent's queue
     in_flight: int = 0  # requests on the region's nodes
+    models: Mapping[str, float] | None = None  # model -> serving capacity; None: not published
 
     @property
     def headroom(self) -> float:
@@ -233,6 +236,12 @@ class Verdict:
     capacity_floor: float = 0.0  # node-equivalents to keep warm for the regions it protects
     protects: tuple[RegionId, ...] = ()  # regions whose backup it is, sorted
     serving_capacity: float = 0.0  # capacity in its last good window as a healthy region
+    # per model (sorted by model): the capacity it served each model with in its last good
+    # window as a healthy region; empty: it never published models (assumed to serve any)
+    serving_models: tuple[tuple[str, float], ...] = ()
+    model_backups: tuple[tuple[str, RegionId | None], ...] = ()  # each of its models' backup
+    model_floors: tuple[tuple[str, float], ...] = ()  # per model, the floor of what it protects
+    ignored_models: tuple[str, ...] = ()  # models its status claims with no capacity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -431,29 +440,37 @@ def choose_backup(
     statuses: Mapping[RegionId, StatusSnapshot | None],
     config: FailoverConfig,
     prefer: RegionId | None = None,
+    serves: Callable[[RegionId], bool] | None = None,
+    serving: str = "",
 ) -> BackupChoice:
     """The backup of ``region`` (see the module docstring for the order).  ``states``: each
     region's state now (failed and drained regions are never backups; recovering ones only when
     no other compliant region is up; a region missing from it counts as up); ``statuses``: fresh
     statuses for headroom (missing or ``None``: unknown); ``prefer``: an operator's manual
-    failover target, tried first."""
+    failover target, tried first; ``serves``: only regions it is true of (they serve the
+    models at stake, ``serving`` names them in the reasons)."""
     regions = topology.regions
     needs = regions[region].residency
     wanted: list[tuple[str, RegionId]] = []
     if prefer is not None:
         wanted.append(("operator's failover target", prefer))
     wanted += [(f"configured backup #{i + 1}", b) for i, b in enumerate(regions[region].backups)]
-    quick = _wanted_and_up(region, wanted, topology=topology, states=states)
+    quick = _wanted_and_up(
+        region, wanted, topology=topology, states=states, serves=serves, serving=serving
+    )
     if quick is not None:  # a wanted region is up and compliant: no need to look at every other
         return quick
     lacking: dict[RegionId, frozenset[str]] = {}  # up, but missing some of the region's tags
     usable: list[RegionId] = []  # up and compliant
+    idle: list[RegionId] = []  # up and compliant, but does not serve what is at stake
     for candidate in sorted(regions):
         if candidate == region or states.get(candidate) in _DOWN:
             continue
         missing = needs - regions[candidate].residency
         if missing:
             lacking[candidate] = missing
+        elif serves is not None and not serves(candidate):
+            idle.append(candidate)
         else:
             usable.append(candidate)
     full = [c for c in usable if states.get(c) != "recovering"]
@@ -472,6 +489,8 @@ def choose_backup(
                 notes.append(f"{candidate} is unknown")
             elif candidate in lacking:
                 notes.append(f"{candidate} lacks residency {_tags(lacking[candidate])}")
+            elif candidate in idle:
+                notes.append(f"{candidate} does not serve {serving}")
             else:
                 notes.append(f"{candidate} is {states.get(candidate)}")
         return f" (skipped: {'; '.join(notes)})" if notes else ""
@@ -494,7 +513,17 @@ def choose_backup(
             reason=f"{reason}{last_resort}{skipped(tier)}",
             residency_limited=residency_limited,
         )
-    if lacking:
+    if idle or (serves is not None and lacking):
+        why = []
+        if idle:
+            why.append(f"{', '.join(idle)} {'does' if len(idle) == 1 else 'do'} not serve it")
+        if lacking:
+            lack = "lacks" if len(lacking) == 1 else "lack"
+            why.append(f"{', '.join(lacking)} {lack} residency {_tags(needs)}")
+        reason = (
+            f"no region that meets residency {_tags(needs)} serves {serving} ({'; '.join(why)})"
+        )
+    elif lacking:
         reason = f"no backup meets residency {_tags(needs)} ({', '.join(lacking)} lack it)"
     else:
         reason = "no other region is up"
@@ -507,10 +536,13 @@ def _wanted_and_up(
     *,
     topology: Topology,
     states: Mapping[RegionId, RegionState],
+    serves: Callable[[RegionId], bool] | None = None,
+    serving: str = "",
 ) -> BackupChoice | None:
     """``choose_backup``'s answer when a wanted region (the operator's target, a configured
-    backup) is up, compliant and not recovering, in O(len(wanted)) instead of a look at every
-    region (a 500-region pass spent a quarter of its time here); ``None`` otherwise."""
+    backup) is up, compliant, serves what is at stake and is not recovering, in
+    O(len(wanted)) instead of a look at every region (a 500-region pass spent a quarter of its
+    time here); ``None`` otherwise."""
     regions = topology.regions
     needs = regions[region].residency
     notes: list[str] = []
@@ -523,8 +555,11 @@ def _wanted_and_up(
         limited = limited or (up and bool(missing))
         if chosen is not None:
             continue
-        if up and not missing and states.get(candidate) != "recovering":
+        idle = up and not missing and serves is not None and not serves(candidate)
+        if up and not missing and not idle and states.get(candidate) != "recovering":
             chosen = (label, candidate)
+        elif idle:
+            notes.append(f"{candidate} does not serve {serving}")
         elif candidate == region:
             notes.append(f"{candidate} is the region itself")
         elif not known:
@@ -659,17 +694,134 @@ def _assign_backups(
     events: list[Event],
 ) -> None:
     states: dict[RegionId, RegionState] = {r: v.state for r, v in verdicts.items()}
+    served = {r: _models_of(r, verdicts, fresh) for r in verdicts}
     for region in sorted(verdicts):
         observation = seen.get(region)
         prefer = None
         if observation is not None and observation.manual_failover:
             prefer = observation.failover_target
-        choice = choose_backup(
-            region, topology=topology, states=states, statuses=fresh, config=config, prefer=prefer
+        chooser = _Chooser(
+            region=region, topology=topology, states=states, fresh=fresh, config=config,
+            prefer=prefer, served=served,
+        )  # fmt: skip
+        models = [m for m, _ in verdicts[region].serving_models]
+        choice, backups, reasons = chooser.backups(models)
+        after = replace(
+            verdicts[region],
+            backup=choice.backup,
+            backup_reason=choice.reason,
+            model_backups=backups,
         )
-        after = replace(verdicts[region], backup=choice.backup, backup_reason=choice.reason)
         verdicts[region] = after
         _backup_events(previous.verdicts.get(region), after, choice, now=now, events=events)
+        _model_events(previous.verdicts.get(region), after, reasons, now=now, events=events)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Chooser:
+    """``choose_backup`` for one region, by the models at stake."""
+
+    region: RegionId
+    topology: Topology
+    states: Mapping[RegionId, RegionState]
+    fresh: Mapping[RegionId, StatusSnapshot | None]
+    config: FailoverConfig
+    prefer: RegionId | None
+    served: Mapping[RegionId, frozenset[str] | None]  # None: publishes no models, serves any
+
+    def serves(self, candidate: RegionId, models: Iterable[str], *, every: bool) -> bool:
+        offered = self.served[candidate]
+        if offered is None:
+            return True
+        wanted = set(models)
+        return wanted <= offered if every else bool(wanted & offered)
+
+    def choose(self, models: Sequence[str], *, every: bool) -> BackupChoice:
+        what = ", ".join(models)
+        if len(models) > 1:
+            what = f"{'all' if every else 'any'} of {what}"
+        return choose_backup(
+            self.region, topology=self.topology, states=self.states, statuses=self.fresh,
+            config=self.config, prefer=self.prefer,
+            serves=lambda c: self.serves(c, models, every=every), serving=what,
+        )  # fmt: skip
+
+    def backups(
+        self, models: Sequence[str]
+    ) -> tuple[BackupChoice, tuple[tuple[str, RegionId | None], ...], dict[str, str]]:
+        """The region's backup (residency first, then model coverage: one that serves all its
+        models, else one that serves any), then each model's: the region's backup when it
+        serves the model, else the best compliant region that does, else none."""
+        if not models:  # it publishes no models: any compliant region will do
+            return self.choose_any(), (), {}
+        choice = self.choose(models, every=True)
+        if choice.backup is None and len(models) > 1:
+            partial = self.choose(models, every=False)
+            if partial.backup is not None:
+                choice = partial
+        backups: list[tuple[str, RegionId | None]] = []
+        reasons: dict[str, str] = {}
+        for model in models:
+            if choice.backup is not None and self.serves(choice.backup, [model], every=True):
+                backups.append((model, choice.backup))
+                reasons[model] = f"the region's backup {choice.backup} serves it"
+                continue
+            own = self.choose([model], every=True)
+            backups.append((model, own.backup))
+            reasons[model] = own.reason
+        return choice, tuple(backups), reasons
+
+    def choose_any(self) -> BackupChoice:
+        return choose_backup(
+            self.region, topology=self.topology, states=self.states, statuses=self.fresh,
+            config=self.config, prefer=self.prefer,
+        )  # fmt: skip
+
+
+def _models_of(
+    region: RegionId,
+    verdicts: Mapping[RegionId, Verdict],
+    fresh: Mapping[RegionId, StatusSnapshot | None],
+) -> frozenset[str] | None:
+    """The models ``region`` serves now (with capacity): from its fresh status, else from its
+    last good window; ``None`` when it never published models (an older agent: it is assumed
+    to serve any)."""
+    status = fresh.get(region)
+    if status is not None and status.models is not None:
+        return frozenset(m for m, c in status.models.items() if c > 0)
+    remembered = verdicts[region].serving_models
+    if remembered or verdicts[region].ignored_models:
+        return frozenset(m for m, _ in remembered)
+    return None
+
+
+def _model_events(
+    before: Verdict | None,
+    after: Verdict,
+    reasons: Mapping[str, str],
+    *,
+    now: float,
+    events: list[Event],
+) -> None:
+    """A ``model`` event for each of the region's models whose backup changed; one that has
+    none says so (its traffic cannot fail over anywhere residency allows)."""
+    old = dict(before.model_backups) if before is not None else {}
+    for model, backup in after.model_backups:
+        if model in old and old[model] == backup:
+            continue
+        if backup is None:
+            reason = f"model {model} has no compliant backup: {reasons[model]}"
+        else:
+            reason = f"model {model}: backup {backup} ({reasons[model]})"
+        events.append(
+            Event(
+                kind="model",
+                region=after.region,
+                reason=reason,
+                at=now,
+                data={"model": model, "backup": backup},
+            )
+        )
 
 
 def _assign_floors(
@@ -681,19 +833,44 @@ def _assign_floors(
     events: list[Event],
 ) -> None:
     protected: dict[RegionId, list[RegionId]] = {}
+    per_model: dict[RegionId, dict[str, float]] = {}
     for region, verdict in verdicts.items():
         if verdict.backup is not None:
             protected.setdefault(verdict.backup, []).append(region)
+        capacities = dict(verdict.serving_models)
+        for model, backup in verdict.model_backups:
+            if backup is not None:
+                floors = per_model.setdefault(backup, {})
+                floors[model] = floors.get(model, 0.0) + capacities.get(model, 0.0)
     for region in sorted(verdicts):
         protects = tuple(sorted(protected.get(region, ())))
         floor = config.prewarm_fraction * sum(verdicts[p].serving_capacity for p in protects)
-        verdicts[region] = replace(verdicts[region], capacity_floor=floor, protects=protects)
+        model_floors = tuple(
+            (m, round(config.prewarm_fraction * c, 6))
+            for m, c in sorted(per_model.get(region, {}).items())
+        )
+        verdicts[region] = replace(
+            verdicts[region], capacity_floor=floor, protects=protects, model_floors=model_floors
+        )
         before = previous.verdicts.get(region)
         old_floor = 0.0 if before is None else before.capacity_floor
         old_protects = () if before is None else before.protects
+        old_models = () if before is None else before.model_floors
         if abs(floor - old_floor) <= _EPS and protects == old_protects:
+            if model_floors != old_models:
+                events.append(
+                    Event(
+                        kind="floor",
+                        region=region,
+                        reason=f"model floors: {_model_floors(model_floors)}",
+                        at=now,
+                        data={"models": _model_floors(model_floors)},
+                    )
+                )
             continue
         covers = ", ".join(f"{p} {verdicts[p].serving_capacity:g}" for p in protects)
+        if model_floors:
+            covers += f"; per model {_model_floors(model_floors)}"
         events.append(
             Event(
                 kind="floor",
@@ -706,6 +883,10 @@ def _assign_floors(
                 data={"from": old_floor, "to": floor, "protects": protects},
             )
         )
+
+
+def _model_floors(floors: Iterable[tuple[str, float]]) -> str:
+    return ", ".join(f"{m} {f:g}" for m, f in floors) or "none"
 
 
 def _judge_region(
@@ -737,9 +918,26 @@ def _judge_region(
     state, weight, reason = _transition(
         before, window, observation, strikes=strikes, good=good, config=config, now=now
     )
-    capacity = before.serving_capacity
-    if window is not None and window.ok and state == "healthy" and observation.status is not None:
-        capacity = observation.status.capacity
+    capacity, models = before.serving_capacity, before.serving_models
+    ignored = before.ignored_models
+    status = observation.status
+    if window is not None and window.ok and state == "healthy" and status is not None:
+        capacity = status.capacity
+        if status.models is not None:
+            models = tuple(sorted((m, c) for m, c in status.models.items() if c > 0))
+    if status is not None and status.models is not None:
+        ignored = tuple(sorted(m for m, c in status.models.items() if c <= 0))
+        for model in sorted(set(ignored) - set(before.ignored_models)):
+            events.append(
+                Event(
+                    kind="model",
+                    region=region,
+                    reason=f"its status claims model {model} with no capacity: not counted as "
+                    f"serving {model}",
+                    at=now,
+                    data={"model": model, "ignored": True},
+                )
+            )
     after = replace(
         before,
         state=state,
@@ -750,6 +948,8 @@ def _judge_region(
         good_windows=good,
         manual=observation.manual_failover,
         serving_capacity=capacity,
+        serving_models=models,
+        ignored_models=ignored,
     )
     if state != before.state:
         events.append(

@@ -469,7 +469,6 @@ async def test_status_marks_a_region_the_probes_cannot_reach_and_regions_show_sa
     }
     probe = {"enabled": True, "interval_s": 0.5, "timeout_s": 0.4}
     async with leading(etcd.url, endpoints=endpoints, probe=probe) as stack:
-
         for _ in range(300):  # 15 s
             if await _state(stack, "eu-north") == "failed":
                 break
