@@ -57,6 +57,11 @@ class RegionStatus(_Value):
         ge=0, description="serving capacity: healthy nodes' weights summed (H100 = 1.0)"
     )
     capacity_floor: float = Field(0.0, ge=0, description="the floor the agent is honouring now")
+    models: dict[str, float] | None = Field(
+        None,
+        description="model -> serving capacity (healthy nodes serving it, weights summed); a "
+        "model of the region's nodes with none healthy is 0; None: not published (older agents)",
+    )
     load: RegionLoad = RegionLoad()
     admin: AdminState = Field(
         "active", description="the admin state the agent last read from its desired value"
@@ -87,6 +92,10 @@ class RegionDesired(_Value):
         0.0, ge=0, description="capacity to keep warm, node-equivalents (pre-warm for a backup)"
     )
     protects: list[str] = Field(default_factory=list, description="regions this one backs up")
+    model_floors: dict[str, float] = Field(
+        default_factory=dict,
+        description="per model, the capacity to keep warm for the regions it backs up for it",
+    )
     reason: str = ""
     generation: int = 0
 
@@ -105,6 +114,10 @@ class RegionHealth(_Value):
     weight: float = Field(1.0, ge=0, le=1)
     backup: str | None = None
     backup_reason: str = ""
+    model_backups: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="each of its models' backup; null: no compliant region serves the model",
+    )
     manual: bool = False
     window: int = Field(0, ge=0, description="the controller's window counter")
 

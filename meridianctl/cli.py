@@ -242,6 +242,18 @@ def regions_show(ctx: click.Context, region: str, output: str) -> None:
     if override:
         what = "manual failover" if override.get("failover") else f"admin {override['admin']}"
         pairs.append(("override", f"{what} by {override.get('by') or '?'}: {override['reason']}"))
+    if row.get("models"):
+        backups = row.get("model_backups") or {}
+        floors = row.get("model_floors") or {}
+        for model, capacity in sorted(row["models"].items()):
+            if model not in backups:
+                where = "no capacity: not counted" if capacity <= 0 else "backup not chosen yet"
+            elif backups[model] is None:
+                where = "NO compliant backup"
+            else:
+                where = f"backup {backups[model]}"
+            floor = f", floor {_fmt(floors[model])} for others" if floors.get(model) else ""
+            pairs.append((f"model {model}", f"capacity {_fmt(capacity)}, {where}{floor}"))
     if data.get("reach"):
         pairs.append(("probes", data["reach"]["reason"]))
     for replica, probed in sorted((data.get("probes") or {}).items()):

@@ -53,6 +53,9 @@ ROW: Shape = {
     "admin?": OPT_STR,
     "manual_failover?": bool,
     "unreachable?": bool,
+    "models?": Opt(Map(NUM)),
+    "model_backups?": Map(OPT_STR),
+    "model_floors?": Map(NUM),
 }
 REGIONS: Shape = {"regions": [ROW], "window": int, "serving": SERVING, "alert?": OPT_STR}
 REGION: Shape = {

@@ -932,8 +932,8 @@ def _judge_region(
                 Event(
                     kind="model",
                     region=region,
-                    reason=f"its status claims model {model} with no capacity: not counted as "
-                    f"serving {model}",
+                    reason=f"its status claims model {model} with no capacity (no healthy node "
+                    f"serves it): not counted as serving {model}",
                     at=now,
                     data={"model": model, "ignored": True},
                 )

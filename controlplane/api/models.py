@@ -129,6 +129,16 @@ class RegionRow(_Out):
     floor: float | None = Field(description="capacity kept warm for regions it protects")
     admin: str = "active"
     manual_failover: bool = False
+    models: dict[str, float] | None = Field(
+        None, description="model -> serving capacity, as its agents publish it (null: not)"
+    )
+    model_backups: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="each of its models' backup; null: no compliant region serves the model",
+    )
+    model_floors: dict[str, float] = Field(
+        default_factory=dict, description="per model, capacity kept warm for regions it backs up"
+    )
     unreachable: bool = Field(
         False,
         description="a majority of the controller replicas that probed its endpoints could not "

@@ -183,6 +183,9 @@ def _rows(view: fleet.FleetView, configured: dict[str, tuple[str, list[str]]]) -
                 floor=desired.capacity_floor if desired else None,
                 admin=override.admin if override else "active",
                 manual_failover=bool(override and override.failover),
+                models=status.models if status else None,
+                model_backups=health.model_backups if health else {},
+                model_floors=desired.model_floors if desired else {},
                 unreachable=region in view.plan.unreachable,
                 reason=health.reason if health else "",
             )

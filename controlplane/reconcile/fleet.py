@@ -126,8 +126,9 @@ def combine(statuses: list[RegionStatus]) -> RegionStatus:
     The agents of a region front the same nodes, each with its own view of them and its own
     share of the traffic, so:
 
-    * nodes healthy and total, capacity, KV use: the largest any agent reports (they count the
-      same nodes; a node one agent cannot reach is still served by the others);
+    * nodes healthy and total, capacity, each model's capacity, KV use: the largest any agent
+      reports (they count the same nodes; a node one agent cannot reach is still served by
+      the others);
     * queue depth, requests in flight, requests/s: summed (each agent's own requests);
     * error rate: the mean weighted by requests/s (the plain mean when none moves);
     * p99 TTFT: the largest (the p99 of a union is at most the largest p99);
@@ -161,6 +162,14 @@ def combine(statuses: list[RegionStatus]) -> RegionStatus:
     endpoints = list(fresh.endpoints)
     for s in reversed(ordered):
         endpoints += [e for e in s.endpoints if e not in endpoints]
+    published = [s.models for s in ordered if s.models is not None]
+    models: dict[str, float] | None = None
+    if published:  # each model's capacity: the largest any agent reports (the same nodes)
+        most: dict[str, float] = {}
+        for seen in published:
+            for model, capacity in seen.items():
+                most[model] = max(capacity, most.get(model, 0.0))
+        models = dict(sorted(most.items()))
     layouts = [s.group_layout for s in ordered if s.group_layout is not None]
     layout = None
     if layouts:
@@ -176,6 +185,7 @@ def combine(statuses: list[RegionStatus]) -> RegionStatus:
             "nodes_healthy": max(s.nodes_healthy for s in ordered),
             "nodes_total": max(s.nodes_total for s in ordered),
             "capacity": max(s.capacity for s in ordered),
+            "models": models,
             "load": load,
             "admin": laggard.admin,
             "observed_generation": laggard.observed_generation,

@@ -119,6 +119,7 @@ def _snapshot(status: RegionStatus) -> failover.StatusSnapshot:
         kv_util=status.load.kv_util,
         queue_depth=status.load.queue_depth,
         in_flight=status.load.in_flight,
+        models=status.models,
     )
 
 
@@ -143,6 +144,12 @@ def state_from_json(data: Mapping[str, Any]) -> failover.FleetState:
         v["region"] = RegionId(v["region"])
         v["protects"] = tuple(RegionId(p) for p in v.get("protects", ()))
         v["backup"] = RegionId(v["backup"]) if v.get("backup") else None
+        v["serving_models"] = tuple((m, float(c)) for m, c in v.get("serving_models", ()))
+        v["model_backups"] = tuple(
+            (m, RegionId(b) if b else None) for m, b in v.get("model_backups", ())
+        )
+        v["model_floors"] = tuple((m, float(f)) for m, f in v.get("model_floors", ()))
+        v["ignored_models"] = tuple(v.get("ignored_models", ()))
         verdicts[RegionId(region)] = failover.Verdict(**v)
     return failover.FleetState(
         verdicts=verdicts,
@@ -294,6 +301,7 @@ async def prepare(
             weight=verdict.weight,
             backup=verdict.backup,
             backup_reason=verdict.backup_reason,
+            model_backups=dict(verdict.model_backups),
             manual=verdict.manual,
             window=state.window,
         )
@@ -302,6 +310,7 @@ async def prepare(
             weight=verdict.weight,
             capacity_floor=round(verdict.capacity_floor, 6),
             protects=list(verdict.protects),
+            model_floors=dict(verdict.model_floors),
             reason=verdict.backup_reason if verdict.protects else verdict.reason,
             generation=state.window,
         )
@@ -406,7 +415,7 @@ async def commit(
     for event in prepared.events:
         level = (
             logging.WARNING
-            if event.kind in ("state", "failover", "alert", "residency", "probe")
+            if event.kind in ("state", "failover", "alert", "residency", "probe", "model")
             else logging.INFO
         )
         log.log(

@@ -223,6 +223,7 @@ class Publisher:
             floor=self.floor(),
             wall_now=self._wall(),
             layout=None if self.tables is None else self.tables.tables.layout(),
+            offered=pool.models(),
         )
 
     # -- liveness ----------------------------------------------------------------------------

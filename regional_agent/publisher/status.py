@@ -4,9 +4,10 @@ Both are pure: ``observe`` builds the status from plain values the publisher rea
 nodes' views, counts, the load window, the desired state), and ``decide`` compares the status
 about to be written with the one etcd holds.
 
-* a change of what the controller decides on — nodes healthy or total, capacity, the floor
-  honoured, endpoints, residency, geo, the admin state and generation acknowledged — is written
-  as soon as the debounce allows (``min_interval_s`` after the previous write);
+* a change of what the controller decides on — nodes healthy or total, capacity, each model's
+  capacity, the floor honoured, endpoints, residency, geo, the admin state and generation
+  acknowledged — is written as soon as the debounce allows (``min_interval_s`` after the
+  previous write);
 * a move of load alone (queue, in flight, KV use, request rate, error rate, p99 TTFT) by more
   than ``load_change`` of its size, and more than a small absolute step, is written at most every
   ``load_min_interval_s``;
@@ -73,10 +74,12 @@ def observe(
     floor: float,
     wall_now: float,
     layout: GroupLayout | None = None,
+    offered: Iterable[str] = (),
 ) -> RegionStatus:
     """The region's status as the agent sees it now: ``serving`` the views of the nodes that
     serve (active and healthy), ``nodes_total`` every node, ``in_flight`` and ``queue_depth``
-    the agent's own requests."""
+    the agent's own requests, ``offered`` the models of every node (a model whose nodes all
+    are down is published with capacity 0, so the controller knows it is not served)."""
     known_kv = [v.telemetry.kv_util for v in serving if v.telemetry is not None]
     load = RegionLoad(
         queue_depth=queue_depth,
@@ -86,6 +89,10 @@ def observe(
         error_rate=round(window.error_rate, 4),
         ttft_p99_s=None if window.ttft_p99_s is None else round(window.ttft_p99_s, 4),
     )
+    models = dict.fromkeys(offered, 0.0)
+    for view in serving:
+        for model in view.models:
+            models[model] = models.get(model, 0.0) + view.weight
     return RegionStatus(
         region=identity.region,
         geo=identity.geo,
@@ -95,6 +102,7 @@ def observe(
         nodes_total=nodes_total,
         capacity=round(sum(v.weight for v in serving), 6),
         capacity_floor=floor,
+        models={m: round(c, 6) for m, c in sorted(models.items())},
         load=load,
         admin=desired.admin,
         observed_generation=desired.generation,

@@ -209,6 +209,29 @@ async def test_status_is_rewritten_when_a_node_fails_and_recovers(
         assert st.capacity == pytest.approx(3.0)
 
 
+async def test_status_reports_each_models_capacity_and_a_model_whose_nodes_are_down_as_0(
+    etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    urls = [await sim_node(model="model-a", seed=0), await sim_node(model="model-b", seed=1)]
+    await start_agent(
+        [],
+        nodes=[{"url": urls[0], "weight": 2.0}, {"url": urls[1], "weight": 1.0}],
+        region=region(etcd, window_s=60.0),
+    )
+    async with publishing.client(etcd) as c:
+
+        async def models(expected: dict[str, float]) -> RegionStatus | None:
+            got = await status(c)
+            return got[0] if got is not None and got[0].models == expected else None
+
+        await eventually(lambda: models({"model-a": 2.0, "model-b": 1.0}), what="both models")
+        await _faults(urls[1], {"fail_health": True})
+        st = await eventually(
+            lambda: models({"model-a": 2.0, "model-b": 0.0}), what="model-b at no capacity"
+        )
+        assert st.capacity == pytest.approx(2.0)
+
+
 async def test_an_idle_region_writes_no_more_than_the_heartbeat(
     etcd: EtcdServer, sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:

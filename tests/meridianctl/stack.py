@@ -73,11 +73,19 @@ def settings(
 class Stack:
     """Controllers and stand-in agents; ``close()`` stops everything."""
 
-    def __init__(self, etcd_url: str, *, endpoints: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        etcd_url: str,
+        *,
+        endpoints: dict[str, str] | None = None,
+        models: dict[str, dict[str, float]] | None = None,
+    ) -> None:
         """``endpoints``: what a stand-in agent publishes as its region's endpoint (default
-        ``http://<region>.example:8080``)."""
+        ``http://<region>.example:8080``); ``models``: its capacity per model (default none
+        published)."""
         self.etcd_url = etcd_url
         self.endpoints = endpoints or {}
+        self.models = models or {}
         self.runners: dict[str, web.AppRunner] = {}
         self.agents: list[asyncio.Task[None]] = []
         self.up = {r["id"]: True for r in REGIONS}
@@ -128,6 +136,7 @@ class Stack:
                         nodes_healthy=4,
                         nodes_total=4,
                         capacity=4.0,
+                        models=self.models.get(region),
                         load=RegionLoad(kv_util=0.25, requests_per_s=10.0, in_flight=3),
                         updated_at=time.time(),
                     )
@@ -158,11 +167,15 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def leading(
-    etcd_url: str, *, endpoints: dict[str, str] | None = None, **controller: Any
+    etcd_url: str,
+    *,
+    endpoints: dict[str, str] | None = None,
+    models: dict[str, dict[str, float]] | None = None,
+    **controller: Any,
 ) -> AsyncIterator[Stack]:
     """A stack whose agents publish and whose one controller, ``ctl-a``, leads; closed after.
     ``controller``: more settings of ``ctl-a`` (``probe={...}``, failover fields)."""
-    s = Stack(etcd_url, endpoints=endpoints)
+    s = Stack(etcd_url, endpoints=endpoints, models=models)
     s.start_agents()
     await s.controller("ctl-a", **controller)
     await s.leader()

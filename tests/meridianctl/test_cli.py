@@ -499,3 +499,30 @@ async def test_status_marks_a_region_the_probes_cannot_reach_and_regions_show_sa
         assert as_json["reach"]["failed"] == ["ctl-a"] and as_json["row"]["unreachable"] is True
         (probed,) = as_json["probes"]["ctl-a"]["probes"]
         assert probed["ok"] is False and probed["status"] is None
+
+
+async def test_regions_show_prints_each_models_capacity_and_backup(etcd: EtcdServer) -> None:
+    models = {
+        "eu-west": {"A": 2.0, "B": 2.0},
+        "eu-north": {"A": 4.0},
+        "us-east": {"A": 2.0, "B": 2.0},
+    }
+    async with leading(etcd.url, models=models) as stack:
+        for _ in range(100):
+            west = await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-west")
+            if "model B" in west.out and "backup not chosen" not in west.out:
+                break
+            await asyncio.sleep(0.1)
+        lines = {
+            k.strip(): v.strip()
+            for k, _, v in (line.partition("  ") for line in west.out.splitlines())
+        }
+        # eu-west keeps half of eu-north's A (4) and of us-east's A (2) warm: floor 3
+        assert lines["model A"] == "capacity 2, backup eu-north, floor 3 for others"
+        assert lines["model B"] == "capacity 2, NO compliant backup, floor 1 for others"
+        north = await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-north")
+        assert re.search(r"model A\s+capacity 4, backup eu-west, floor 1 for others", north.out)
+        data = json.loads(
+            (await _ctl_at(stack.url("ctl-a"), "regions", "show", "eu-west", "-o", "json")).out
+        )
+        assert data["row"]["model_backups"] == {"A": "eu-north", "B": None}

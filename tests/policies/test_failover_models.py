@@ -166,7 +166,8 @@ def test_a_status_claiming_a_model_with_no_capacity_is_ignored_for_it_with_an_ev
     claims = [e for e in events if e.kind == "model" and e.data.get("ignored")]
     assert [(e.region, e.data["model"]) for e in claims] == [("eu-central", "B")]
     assert claims[0].reason == (
-        "its status claims model B with no capacity: not counted as serving B"
+        "its status claims model B with no capacity (no healthy node serves it): not counted "
+        "as serving B"
     )
     assert state.verdicts[RegionId("eu-west")].model_backups == (("A", "eu-central"), ("B", None))
     assert state.verdicts[RegionId("eu-central")].serving_models == (("A", 2.0),)
