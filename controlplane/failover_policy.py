@@ -19,7 +19,7 @@ import meridian_etcd as etcd
 from controlplane.settings import ControllerSettings
 from meridian_wire.keys import PREFIX
 from policies import failover
-from policies.failover import ShareRule
+from policies.failover import BackupRank, ShareRule
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class PolicyValues(_Value):
     prewarm_fraction: float = Field(ge=0, le=1, description="backup floor share, 0..1")
     shares: ShareRule = Field(
         "capacity", description="a region's base share of its geography: capacity or equal"
+    )
+    backup_rank: BackupRank = Field(
+        "latency", description="automatic backups by round trip + p99 TTFT, or round trip alone"
+    )
+    latency_hysteresis_ms: float = Field(
+        250.0, ge=0, description="a backup is replaced only by one this much sooner, ms"
     )
 
 

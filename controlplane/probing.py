@@ -186,6 +186,7 @@ class Prober:
             regions.setdefault(region, []).append(result)
         report = ProbeReport(
             replica=self.replica,
+            region=self.settings.region,
             at=self._clock.now(),
             interval_s=self.settings.interval_s,
             regions=regions,

@@ -153,6 +153,11 @@ class FleetPlan(_Value):
         default_factory=list,
         description="regions a majority of the controller replicas that probed could not reach",
     )
+    measured_latency_ms: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="round trip from a controller replica's region to a region, as its probes "
+        "measured it (ms): from -> to -> ms",
+    )
     updated_at: float = 0.0
     controller: str = ""
 
@@ -195,6 +200,7 @@ class ProbeReport(_Value):
     replica's own lease: a replica that stops probing stops counting."""
 
     replica: str
+    region: str | None = Field(None, description="the region the replica runs in (probe.region)")
     at: float = Field(description="unix time the round ended")
     interval_s: float = Field(gt=0, description="the replica's probe interval")
     regions: dict[str, list[EndpointProbe]] = Field(

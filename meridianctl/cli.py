@@ -43,6 +43,8 @@ POLICY_KEYS: dict[str, str] = {
     "ttft_p99_slo_s": "float|off",
     "prewarm_fraction": "float",
     "shares": "capacity|equal",
+    "backup_rank": "latency|proximity",
+    "latency_hysteresis_ms": "float",
 }
 
 
@@ -256,12 +258,20 @@ def regions_show(ctx: click.Context, region: str, output: str) -> None:
             pairs.append((f"model {model}", f"capacity {_fmt(capacity)}, {where}{floor}"))
     if data.get("reach"):
         pairs.append(("probes", data["reach"]["reason"]))
+    measured = data.get("measured_latency_ms") or {}
+    if measured:
+        rtts = ", ".join(f"from {a} {ms:g} ms" for a, ms in sorted(measured.items()))
+        pairs.append(("round trip", f"{rtts} (measured by the probes)"))
     for replica, probed in sorted((data.get("probes") or {}).items()):
+        where = f" ({probed['region']})" if probed.get("region") else ""
         for p in probed["probes"]:
             seen = "ok" if p["ok"] else "FAILED"
             detail = f"{p['error']}" if p.get("error") else f"{_fmt(p.get('latency_ms'))} ms"
             pairs.append(
-                (f"  {replica}", f"{p['endpoint']} {seen}: {detail} ({probed['age_s']:.0f} s ago)")
+                (
+                    f"  {replica}{where}",
+                    f"{p['endpoint']} {seen}: {detail} ({probed['age_s']:.0f} s ago)",
+                )
             )
     width = max(len(k) for k, _ in pairs)
     for key, value in pairs:
@@ -585,8 +595,8 @@ def _policy_value(key: str, raw: str) -> tuple[str, Any]:
             return key, int(raw)
         if kind == "floats":
             return key, [float(v) for v in raw.split(",") if v.strip()]
-        if kind == "capacity|equal":
-            if raw not in ("capacity", "equal"):
+        if kind in ("capacity|equal", "latency|proximity"):
+            if raw not in kind.split("|"):
                 raise ValueError(raw)
             return key, raw
         if kind == "float|off" and raw.lower() in ("off", "none", "null"):
@@ -597,6 +607,7 @@ def _policy_value(key: str, raw: str) -> tuple[str, Any]:
             "int": "an integer",
             "floats": "numbers like 0.05,0.25,0.5,1",
             "capacity|equal": "capacity or equal",
+            "latency|proximity": "latency or proximity",
         }.get(kind, "a number")
         raise click.BadParameter(f"{key}={raw!r}: want {want}") from exc
 
@@ -616,7 +627,8 @@ def policies_set(ctx: click.Context, assignments: tuple[str, ...], reason: str, 
 
     Keys: window_s, strikes, recovery_windows, ramp (e.g. 0.05,0.25,0.5,1), min_hold_s,
     status_stale_s, min_healthy_fraction, max_error_rate, ttft_p99_slo_s (or off),
-    prewarm_fraction, shares (capacity or equal).
+    prewarm_fraction, shares (capacity or equal), backup_rank (latency or proximity),
+    latency_hysteresis_ms.
     """
     body: dict[str, Any] = {"reason": reason}
     for item in assignments:

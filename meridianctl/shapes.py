@@ -63,6 +63,7 @@ REGION: Shape = {
     "override": Opt({"failover?": bool, "admin?": str, "reason": str, "by?": OPT_STR}),
     "probes?": Map({"age_s": NUM, "probes": [{"endpoint": str, "ok": bool, "error?": str}]}),
     "reach?": Opt({"reason": str, "unreachable": bool}),
+    "measured_latency_ms?": Map(NUM),
 }
 RECORD: Shape = {"name": str, "ttl_s": int, "type": str, "values": [str]}
 DNS_VIEW: Shape = {"geo": str, "zone": str, "reason": str, "records?": [RECORD], "hold?": bool}

@@ -89,6 +89,7 @@ RegionId = NewType("RegionId", str)
 RegionState = Literal["healthy", "suspect", "failed", "recovering", "drained"]
 RegionAdmin = Literal["active", "draining", "drained"]
 ShareRule = Literal["capacity", "equal"]
+BackupRank = Literal["latency", "proximity"]
 EventKind = Literal[
     "strike", "state", "failover", "floor", "recovery", "alert", "residency", "model"
 ]
@@ -122,6 +123,10 @@ class FailoverConfig:
     prewarm_fraction: float = 0.5  # backup floor, as a share of the capacity it protects
     proximity_tolerance_ms: float = 5.0  # backups this close to the nearest compete on headroom
     shares: ShareRule = "capacity"  # a member's base share of its geography: capacity or equal
+    # how automatic backups rank: round trip + the candidate's published p99 TTFT ("latency"),
+    # or the round trip alone ("proximity")
+    backup_rank: BackupRank = "latency"
+    latency_hysteresis_ms: float = 250.0  # a backup is replaced only by one this much sooner
 
     def __post_init__(self) -> None:
         _check_config(self)
@@ -298,6 +303,10 @@ def _check_config(config: FailoverConfig) -> None:
         value = getattr(config, name)
         if not value >= 0 or math.isinf(value):
             raise ValueError(f"{where}.{name} must be >= 0, got {value!r}")
+    if not config.latency_hysteresis_ms >= 0:
+        raise ValueError(
+            f"{where}.latency_hysteresis_ms must be >= 0, got {config.latency_hysteresis_ms!r}"
+        )
     for name in ("min_healthy_fraction", "max_error_rate", "prewarm_fraction"):
         value = getattr(config, name)
         if not 0 <= value <= 1:
@@ -305,6 +314,11 @@ def _check_config(config: FailoverConfig) -> None:
     if config.shares not in get_args(ShareRule):
         raise ValueError(
             f"{where}.shares must be one of {', '.join(get_args(ShareRule))}, got {config.shares!r}"
+        )
+    if config.backup_rank not in get_args(BackupRank):
+        raise ValueError(
+            f"{where}.backup_rank must be one of {', '.join(get_args(BackupRank))}, got "
+            f"{config.backup_rank!r}"
         )
     slo = config.ttft_p99_slo_s
     if slo is not None and (not slo > 0 or math.isinf(slo)):
@@ -442,13 +456,16 @@ def choose_backup(
     prefer: RegionId | None = None,
     serves: Callable[[RegionId], bool] | None = None,
     serving: str = "",
+    incumbent: RegionId | None = None,
 ) -> BackupChoice:
     """The backup of ``region`` (see the module docstring for the order).  ``states``: each
     region's state now (failed and drained regions are never backups; recovering ones only when
     no other compliant region is up; a region missing from it counts as up); ``statuses``: fresh
     statuses for headroom (missing or ``None``: unknown); ``prefer``: an operator's manual
     failover target, tried first; ``serves``: only regions it is true of (they serve the
-    models at stake, ``serving`` names them in the reasons)."""
+    models at stake, ``serving`` names them in the reasons); ``incumbent``: the backup it had,
+    kept among automatic choices unless another gives a first token ``latency_hysteresis_ms``
+    sooner (published TTFTs move with load: no backup flapping)."""
     regions = topology.regions
     needs = regions[region].residency
     wanted: list[tuple[str, RegionId]] = []
@@ -507,7 +524,10 @@ def choose_backup(
                 return BackupChoice(
                     backup=candidate, reason=reason, residency_limited=residency_limited
                 )
-        chosen, reason = _nearest(region, tier, topology=topology, statuses=statuses, config=config)
+        chosen, reason = _nearest(
+            region, tier, topology=topology, statuses=statuses, config=config,
+            incumbent=incumbent,
+        )  # fmt: skip
         return BackupChoice(
             backup=chosen,
             reason=f"{reason}{last_resort}{skipped(tier)}",
@@ -583,21 +603,69 @@ def _nearest(
     topology: Topology,
     statuses: Mapping[RegionId, StatusSnapshot | None],
     config: FailoverConfig,
+    incumbent: RegionId | None = None,
 ) -> tuple[RegionId, str]:
-    """The nearest of ``candidates``; among those within ``proximity_tolerance_ms`` of the
-    nearest, the one with the most headroom (known headroom first), then the nearer, the id."""
+    """The candidate its clients would get a first token from soonest: the round trip to it
+    (latency matrix, else distance) plus, with ``backup_rank="latency"``, its published p99
+    TTFT (a candidate whose TTFT is unknown counts as the mean of those known).  Among those
+    within ``proximity_tolerance_ms`` of the best, the most headroom (known headroom first),
+    then the lower cost, the id.  The reason names the nearest region too when the TTFT made
+    another one win."""
     near = {c: proximity_ms(region, c, topology=topology) for c in candidates}
-    best_ms = min(near.values())
-    close = [c for c in candidates if near[c] <= best_ms + config.proximity_tolerance_ms]
+    chosen, reason = _cheapest(candidates, near, statuses=statuses, config=config)
+    if config.backup_rank != "latency":
+        return chosen, reason
+    known: dict[RegionId, float] = {}
+    for c in candidates:
+        status = statuses.get(c)
+        if status is not None and status.ttft_p99_s is not None:
+            known[c] = status.ttft_p99_s * 1000
+    if not known:
+        return chosen, reason
+    mean = sum(known.values()) / len(known)
+    cost = {c: near[c] + known.get(c, mean) for c in candidates}
+    soonest, _ = _cheapest(candidates, cost, statuses=statuses, config=config)
+    if (
+        incumbent is not None
+        and incumbent in cost
+        and incumbent != soonest
+        and cost[incumbent] - cost[soonest] <= config.latency_hysteresis_ms
+    ):
+        soonest = incumbent  # not sooner by enough to move the backup (and its floor)
+    if soonest == chosen:
+        return chosen, reason
+
+    def seen(c: RegionId) -> str:
+        away = "unknown distance" if math.isinf(near[c]) else f"{near[c]:.0f} ms"
+        ttft = f"p99 TTFT {known[c] / 1000:.3g} s" if c in known else "p99 TTFT unknown"
+        return f"{away}, {ttft}"
+
+    return soonest, (
+        f"soonest first token of {len(candidates)} compliant regions ({seen(soonest)}; the "
+        f"nearest, {chosen}: {seen(chosen)})"
+    )
+
+
+def _cheapest(
+    candidates: list[RegionId],
+    cost: Mapping[RegionId, float],
+    *,
+    statuses: Mapping[RegionId, StatusSnapshot | None],
+    config: FailoverConfig,
+) -> tuple[RegionId, str]:
+    """The lowest ``cost`` (ms); among those within ``proximity_tolerance_ms`` of it, the
+    most headroom (known headroom first), then the lower cost, the id."""
+    best = min(cost.values())
+    close = [c for c in candidates if cost[c] <= best + config.proximity_tolerance_ms]
 
     def rank(c: RegionId) -> tuple[int, float, float, str]:
         status = statuses.get(c)
         if status is None:
-            return (1, 0.0, near[c], c)
-        return (0, -status.headroom, near[c], c)
+            return (1, 0.0, cost[c], c)
+        return (0, -status.headroom, cost[c], c)
 
     chosen = min(close, key=rank)
-    distance = "unknown distance" if math.isinf(near[chosen]) else f"{near[chosen]:.0f} ms"
+    distance = "unknown distance" if math.isinf(cost[chosen]) else f"{cost[chosen]:.0f} ms"
     if len(close) == 1:
         return chosen, f"nearest compliant region ({distance})"
     return chosen, (
@@ -700,9 +768,11 @@ def _assign_backups(
         prefer = None
         if observation is not None and observation.manual_failover:
             prefer = observation.failover_target
+        before = previous.verdicts.get(region)
         chooser = _Chooser(
             region=region, topology=topology, states=states, fresh=fresh, config=config,
-            prefer=prefer, served=served,
+            prefer=prefer, served=served, incumbent=before.backup if before else None,
+            incumbents=dict(before.model_backups) if before else {},
         )  # fmt: skip
         models = [m for m, _ in verdicts[region].serving_models]
         choice, backups, reasons = chooser.backups(models)
@@ -728,6 +798,8 @@ class _Chooser:
     config: FailoverConfig
     prefer: RegionId | None
     served: Mapping[RegionId, frozenset[str] | None]  # None: publishes no models, serves any
+    incumbent: RegionId | None = None  # the region's backup before this window
+    incumbents: Mapping[str, RegionId | None] = field(default_factory=dict)  # per model
 
     def serves(self, candidate: RegionId, models: Iterable[str], *, every: bool) -> bool:
         offered = self.served[candidate]
@@ -740,10 +812,12 @@ class _Chooser:
         what = ", ".join(models)
         if len(models) > 1:
             what = f"{'all' if every else 'any'} of {what}"
+        incumbent = self.incumbents.get(models[0]) if len(models) == 1 else self.incumbent
         return choose_backup(
             self.region, topology=self.topology, states=self.states, statuses=self.fresh,
             config=self.config, prefer=self.prefer,
             serves=lambda c: self.serves(c, models, every=every), serving=what,
+            incumbent=incumbent,
         )  # fmt: skip
 
     def backups(
@@ -774,7 +848,7 @@ class _Chooser:
     def choose_any(self) -> BackupChoice:
         return choose_backup(
             self.region, topology=self.topology, states=self.states, statuses=self.fresh,
-            config=self.config, prefer=self.prefer,
+            config=self.config, prefer=self.prefer, incumbent=self.incumbent,
         )  # fmt: skip
 
 

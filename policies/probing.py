@@ -20,7 +20,8 @@ each looks from a different network (docs/controller.md, "Probing from outside")
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import statistics
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -31,6 +32,7 @@ class Probe:
     endpoint: str
     ok: bool
     error: str = ""  # why not ok, e.g. "timed out after 2 s"
+    latency_ms: float | None = None  # connect + one request, on a fresh connection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +42,7 @@ class Round:
     replica: str
     at: float  # unix time the round ended (the replica's clock)
     probes: tuple[Probe, ...]
+    vantage: str | None = None  # the region the replica runs in, when configured
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,3 +102,32 @@ def tally(
     if not reached and not failed:
         return None
     return Reach(region=region, reached=tuple(reached), failed=tuple(failed), errors=tuple(errors))
+
+
+def round_trips(endpoint: str) -> int:
+    """Round trips in a probe on a fresh connection: TCP's handshake and the request, plus
+    TLS 1.3's handshake for https (a bare ``host:port`` is probed over https)."""
+    return 2 if endpoint.strip().lower().startswith("http://") else 3
+
+
+def measured_rtt_ms(
+    rounds: Mapping[str, Iterable[Round]], *, now: float, max_age_s: float
+) -> dict[tuple[str, str], float]:
+    """The round trip between regions as the probes measured it: ``rounds`` per target region;
+    for each (vantage, target), the median over the vantage's replicas of the fastest answered
+    probe of the target's endpoints, divided by its round trips.  Only fresh rounds of replicas
+    with a vantage count; a replica in the target region itself measures nothing useful (its
+    own network) and is left out."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for target, target_rounds in rounds.items():
+        for r in target_rounds:
+            if r.vantage is None or r.vantage == target or abs(now - r.at) > max_age_s:
+                continue
+            times = [
+                p.latency_ms / round_trips(p.endpoint)
+                for p in r.probes
+                if p.ok and p.latency_ms is not None
+            ]
+            if times:
+                seen.setdefault((r.vantage, target), []).append(min(times))
+    return {pair: round(statistics.median(ms), 3) for pair, ms in sorted(seen.items())}

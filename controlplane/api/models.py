@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.failover_policy import PolicyValues
 from meridian_wire.models import DnsApplied
-from policies.failover import ShareRule
+from policies.failover import BackupRank, ShareRule
 
 Action = Literal["drain", "undrain", "failover", "failback", "policies"]
 
@@ -66,6 +66,10 @@ class PoliciesUpdate(_Body):
     shares: ShareRule | None = Field(
         None, description="a region's base share of its geography: capacity or equal"
     )
+    backup_rank: BackupRank | None = Field(
+        None, description="automatic backups by round trip + p99 TTFT (latency) or proximity"
+    )
+    latency_hysteresis_ms: float | None = Field(None, ge=0, le=60_000)
 
 
 # -- actions ------------------------------------------------------------------------------------
@@ -174,6 +178,11 @@ class RegionDetail(_Out):
         default_factory=dict,
         description="each controller replica's last probe of its endpoints: the round's age "
         "and, per endpoint, ok, HTTP status, latency and error (probe.enabled)",
+    )
+    measured_latency_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="round trip to it from each region a controller replica probes from "
+        "(probe.region), as measured, ms; used for backups where latency_ms says nothing",
     )
     reach: dict[str, Any] | None = Field(
         None,

@@ -247,6 +247,9 @@ async def get_region(call: Call) -> RegionDetail:
         tables=fleet.describe_tables(record, now=now),
         probes=fleet.describe_probes(view, region, now=now),
         reach=reach,
+        measured_latency_ms={
+            a: row[region] for a, row in view.plan.measured_latency_ms.items() if region in row
+        },
     )
 
 

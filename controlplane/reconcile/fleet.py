@@ -342,19 +342,36 @@ def reach(
     view: FleetView, region: str, endpoints: list[str], *, now: float, max_age_s: float
 ) -> probing.Reach | None:
     """The controller replicas' votes on ``region`` (``policies.probing.tally``)."""
-    rounds = [
+    return probing.tally(
+        region, _rounds(view, region), endpoints=endpoints, now=now, max_age_s=max_age_s
+    )
+
+
+def _rounds(view: FleetView, region: str) -> list[probing.Round]:
+    return [
         probing.Round(
             replica=report.replica,
             at=report.at,
+            vantage=report.region,
             probes=tuple(
-                probing.Probe(endpoint=p.endpoint, ok=p.ok, error=p.error)
+                probing.Probe(endpoint=p.endpoint, ok=p.ok, error=p.error, latency_ms=p.latency_ms)
                 for p in report.regions[region]
             ),
         )
         for report in view.probes.values()
         if region in report.regions
     ]
-    return probing.tally(region, rounds, endpoints=endpoints, now=now, max_age_s=max_age_s)
+
+
+def measured_latency(
+    view: FleetView, *, now: float, max_age_s: float
+) -> dict[tuple[str, str], float]:
+    """Round trips between regions measured by the probes of replicas with ``probe.region``
+    (``policies.probing.measured_rtt_ms``)."""
+    targets = {r for report in view.probes.values() for r in report.regions}
+    return probing.measured_rtt_ms(
+        {t: _rounds(view, t) for t in sorted(targets)}, now=now, max_age_s=max_age_s
+    )
 
 
 def describe_probes(view: FleetView, region: str, *, now: float) -> dict[str, object]:
@@ -362,6 +379,7 @@ def describe_probes(view: FleetView, region: str, *, now: float) -> dict[str, ob
     return {
         replica: {
             "age_s": round(max(0.0, now - report.at), 3),
+            "region": report.region,
             "probes": [p.model_dump() for p in report.regions[region]],
         }
         for replica, report in sorted(view.probes.items())

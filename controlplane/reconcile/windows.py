@@ -72,9 +72,13 @@ def _age(
 
 
 def topology_from(
-    settings: ControllerSettings, statuses: Mapping[str, RegionStatus]
+    settings: ControllerSettings,
+    statuses: Mapping[str, RegionStatus],
+    measured: Mapping[tuple[str, str], float] | None = None,
 ) -> failover.Topology:
-    """Configured regions, plus regions known only from their agents' statuses."""
+    """Configured regions, plus regions known only from their agents' statuses; the round
+    trips of ``latency_ms``, and where it says nothing of a pair, those ``measured`` by the
+    probes."""
     infos: dict[str, failover.RegionInfo] = {}
     for r in settings.regions:
         coordinates = (r.lat, r.lon) if r.lat is not None and r.lon is not None else None
@@ -90,11 +94,19 @@ def topology_from(
             infos[region] = failover.RegionInfo(
                 region=RegionId(region), geo=status.geo, residency=frozenset(status.residency)
             )
-    latency = {
+    configured = {
         (RegionId(a), RegionId(b)): ms
         for a, row in settings.latency_ms.items()
         for b, ms in row.items()
     }
+    latency = {
+        (RegionId(a), RegionId(b)): ms
+        for (a, b), ms in (measured or {}).items()
+        if a in infos and b in infos
+        and (RegionId(a), RegionId(b)) not in configured
+        and (RegionId(b), RegionId(a)) not in configured
+    }  # fmt: skip
+    latency.update(configured)
     return failover.Topology.build(infos.values(), latency)
 
 
@@ -250,7 +262,8 @@ async def prepare(
         for r, s in last_status.items()
         if r in view.regions or r in {c.id for c in settings.regions}
     }
-    topology = topology_from(settings, statuses)
+    measured = fleet.measured_latency(view, now=now, max_age_s=settings.probe.vote_age_s)
+    topology = topology_from(settings, statuses, measured)
     observations = []
     reaches: dict[str, probing.Reach] = {}
     for region in topology.regions:
@@ -336,6 +349,7 @@ async def prepare(
         state=state_to_json(state),
         last_status=statuses,
         unreachable=sorted(r for r, reach in reaches.items() if reach.unreachable),
+        measured_latency_ms=_rows(measured),
         updated_at=now,
         controller=controller,
     )
@@ -359,6 +373,13 @@ async def prepare(
     return Prepared(
         view=view, previous=previous, result=result, topology=topology, puts=puts, events=events
     )
+
+
+def _rows(pairs: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for (a, b), ms in sorted(pairs.items()):
+        out.setdefault(a, {})[b] = ms
+    return out
 
 
 def _probe_events(

@@ -25,7 +25,7 @@ from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import otlp
 from meridian_service import settings as settings_loading
 from meridian_wire.models import REGION_ID, RESIDENCY_TAG
-from policies.failover import ShareRule
+from policies.failover import BackupRank, ShareRule
 
 
 class _Group(BaseModel):
@@ -154,6 +154,17 @@ class FailoverSettings(_Group):
         description="each region's base share of its geography's traffic (DNS): its serving "
         "capacity, or equal",
     )
+    backup_rank: BackupRank = Field(
+        "latency",
+        description="how automatic backups rank: the round trip plus the candidate's published "
+        "p99 TTFT (latency), or the round trip alone (proximity)",
+    )
+    latency_hysteresis_ms: float = Field(
+        250.0,
+        ge=0,
+        description="with backup_rank latency, a region's backup is replaced only by one whose "
+        "first token is expected this much sooner (TTFTs move with load)",
+    )
 
     @model_validator(mode="after")
     def _stale_after_heartbeats(self) -> FailoverSettings:
@@ -231,6 +242,12 @@ class ProbeSettings(_Group):
         description="a replica's round older than this does not vote; default 3 x interval_s",
     )
     concurrency: int = Field(64, ge=1, description="probes in flight at once per replica")
+    region: str | None = Field(
+        None,
+        description="the region this replica runs in (its vantage point): its probes' times "
+        "then measure the round trip from there to each region, for backups where latency_ms "
+        "does not say",
+    )
 
     @field_validator("path")
     @classmethod

@@ -79,10 +79,24 @@ async def proxied(
 class Replicas:
     """Three probers over one etcd and one driven clock, and the leader's window passes."""
 
-    def __init__(self, store: meridian_etcd.Store, etcd: EtcdServer, clock: ManualClock) -> None:
+    def __init__(
+        self,
+        store: meridian_etcd.Store,
+        etcd: EtcdServer,
+        clock: ManualClock,
+        vantages: dict[str, str] | None = None,
+    ) -> None:
         self.store, self.clock = store, clock
         self.settings = _settings(etcd)
-        self.probers = {r: Prober(_settings(etcd, r), store=store, clock=clock) for r in REPLICAS}
+        where = vantages or {}
+        self.probers = {
+            r: Prober(
+                _settings(etcd, r, **({"region": where[r]} if r in where else {})),
+                store=store,
+                clock=clock,
+            )
+            for r in REPLICAS
+        }
 
     async def window(self, *, west: str, north: str) -> windows.PassResult:
         """One window: the agents publish, each replica probes (its own client), the leader
@@ -270,3 +284,38 @@ async def test_a_report_under_another_replicas_key_is_a_bad_value(
         f"{keys.probes('ctl-a')}: names replica 'ctl-b'",
         f"{keys.probes('ctl-c')}: not JSON: Invalid JSON: key must be a string at line 1 column 2",
     ]
+
+
+async def test_replicas_with_a_region_measure_the_round_trip_for_backups(
+    store: meridian_etcd.Store, etcd: EtcdServer, proxied: tuple[str, Proxy]
+) -> None:
+    """ctl-a and ctl-b run in eu-north (probe.region): their probes of eu-west time the round
+    trip eu-north -> eu-west, which the plan keeps and backups use where latency_ms is
+    silent; ctl-c has no region and measures nothing; eu-north's own replicas do not measure
+    eu-north."""
+    agent_url, proxy = proxied
+    clock = ManualClock()
+    fleet_ = Replicas(store, etcd, clock, vantages={"ctl-a": "eu-north", "ctl-b": "eu-north"})
+    await fleet_.window(west=proxy.url, north=agent_url)  # the first plan: what to probe
+    await fleet_.window(west=proxy.url, north=agent_url)
+    entry = await store.get(keys.PLAN)
+    assert entry is not None
+    measured = FleetPlan.model_validate_json(entry.value).measured_latency_ms
+    assert list(measured) == ["eu-north"] and list(measured["eu-north"]) == ["eu-west"]
+    rtt = measured["eu-north"]["eu-west"]
+    view = await fleet.read(store)
+    fastest = sorted(
+        view.probes[r].regions["eu-west"][0].latency_ms or 0.0 for r in ("ctl-a", "ctl-b")
+    )
+    assert rtt == pytest.approx(sum(fastest) / 2 / 2, abs=0.002)  # median of 2, over 2 trips
+    assert view.probes["ctl-a"].region == "eu-north" and view.probes["ctl-c"].region is None
+
+    statuses = {r: rec.status for r, rec in view.regions.items() if rec.status is not None}
+    topology = windows.topology_from(fleet_.settings, statuses, {("eu-north", "eu-west"): rtt})
+    assert topology.latency_ms[("eu-north", "eu-west")] == rtt  # type: ignore[index]
+    configured = fleet_.settings.model_copy(update={"latency_ms": {"eu-west": {"eu-north": 42.0}}})
+    topology = windows.topology_from(configured, statuses, {("eu-north", "eu-west"): rtt})
+    assert ("eu-north", "eu-west") not in topology.latency_ms  # configured wins, either order
+    assert topology.latency_ms[("eu-west", "eu-north")] == 42.0  # type: ignore[index]
+    for prober in fleet_.probers.values():
+        await prober._revoke()
