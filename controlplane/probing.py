@@ -149,7 +149,10 @@ class Prober:
             async with self.session() as session:
                 while True:
                     began = time.monotonic()
-                    await self.once(session, ssl_context=ssl_context)
+                    try:
+                        await self.once(session, ssl_context=ssl_context)
+                    except Exception:  # a bug must not end this replica's probing for good
+                        log.exception("probe round failed; the next one runs as planned")
                     elapsed = time.monotonic() - began
                     await asyncio.sleep(max(0.0, self.settings.interval_s - elapsed))
         finally:

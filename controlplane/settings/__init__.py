@@ -24,6 +24,7 @@ from controlplane.settings.dns import DnsSettings
 from meridian_etcd import endpoints as etcd_endpoints
 from meridian_service import otlp
 from meridian_service import settings as settings_loading
+from meridian_wire import keys
 from meridian_wire.models import REGION_ID, RESIDENCY_TAG
 from policies.failover import BackupRank, ShareRule
 
@@ -331,6 +332,16 @@ class ControllerSettings(BaseSettings):
         description="OTLP export of the replica's metrics; off without an endpoint "
         "(docs/observability.md#otlp)",
     )
+
+    @model_validator(mode="after")
+    def _probe_id(self) -> ControllerSettings:
+        if self.probe.enabled and not keys.AGENT_ID.match(self.election.id):
+            raise ValueError(
+                f"election.id {self.election.id!r}: with probe.enabled it names this replica's "
+                "probe key, so it must be 1-63 lowercase letters, digits, dots, dashes, "
+                "underscores; set election.id (--id)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backups(self) -> ControllerSettings:

@@ -270,6 +270,9 @@ def test_probe_settings_are_refused_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="max_age_s"):
         ControllerSettings(probe={"max_age_s": 5, "interval_s": 10})  # type: ignore[arg-type]
     assert ControllerSettings().probe.vote_age_s == 30.0
+    with pytest.raises(ValueError, match=r"election.id 'Host-1': with probe.enabled"):
+        ControllerSettings(election={"id": "Host-1"}, probe={"enabled": True})  # type: ignore[arg-type]
+    assert ControllerSettings(election={"id": "Host-1"}).election.id == "Host-1"  # type: ignore[arg-type]
 
 
 async def test_a_report_under_another_replicas_key_is_a_bad_value(

@@ -116,18 +116,22 @@ def test_eu_west_failing_moves_a_to_eu_central_and_b_nowhere_outside_the_eu() ->
     ]
 
 
+# three eu regions: eu-central 10 ms from eu-west, eu-north 40 ms
+THREE_EU = Topology.build(
+    [
+        RegionInfo(region=RegionId("eu-west"), geo="eu", residency=frozenset({"eu"})),
+        RegionInfo(region=RegionId("eu-central"), geo="eu", residency=frozenset({"eu"})),
+        RegionInfo(region=RegionId("eu-north"), geo="eu", residency=frozenset({"eu"})),
+    ],
+    {
+        (RegionId("eu-west"), RegionId("eu-central")): 10.0,
+        (RegionId("eu-west"), RegionId("eu-north")): 40.0,
+    },
+)
+
+
 def test_a_backup_that_serves_every_model_wins_over_a_nearer_one_that_serves_some() -> None:
-    topology = Topology.build(
-        [
-            RegionInfo(region=RegionId("eu-west"), geo="eu", residency=frozenset({"eu"})),
-            RegionInfo(region=RegionId("eu-central"), geo="eu", residency=frozenset({"eu"})),
-            RegionInfo(region=RegionId("eu-north"), geo="eu", residency=frozenset({"eu"})),
-        ],
-        {
-            (RegionId("eu-west"), RegionId("eu-central")): 10.0,
-            (RegionId("eu-west"), RegionId("eu-north")): 40.0,
-        },
-    )
+    topology = THREE_EU
     models = {
         "eu-west": {"A": 2.0, "B": 1.0},
         "eu-central": {"A": 4.0},
@@ -141,17 +145,7 @@ def test_a_backup_that_serves_every_model_wins_over_a_nearer_one_that_serves_som
 
 
 def test_each_model_gets_its_own_backup_when_none_serves_them_all() -> None:
-    topology = Topology.build(
-        [
-            RegionInfo(region=RegionId("eu-west"), geo="eu", residency=frozenset({"eu"})),
-            RegionInfo(region=RegionId("eu-central"), geo="eu", residency=frozenset({"eu"})),
-            RegionInfo(region=RegionId("eu-north"), geo="eu", residency=frozenset({"eu"})),
-        ],
-        {
-            (RegionId("eu-west"), RegionId("eu-central")): 10.0,
-            (RegionId("eu-west"), RegionId("eu-north")): 40.0,
-        },
-    )
+    topology = THREE_EU
     models = {"eu-west": {"A": 2.0, "B": 1.0}, "eu-central": {"A": 4.0}, "eu-north": {"B": 3.0}}
     state, _ = _windows(topology, models, windows=1)
     west = state.verdicts[RegionId("eu-west")]
