@@ -8,6 +8,7 @@ user                         role                         keys (``/meridian/v1/`
                                                           replicas' alive and status keys),
                                                           readwrite ``routing/<r>/*`` (the group
                                                           tables), read ``regions/<r>/desired``
+                                                          and ``controller/plan`` (spill-over)
 ``meridian-controller``      ``meridian-controller``      readwrite ``/meridian/v1/*``
 ``root``                     ``root`` (etcd's own)        everything; etcd requires it for auth
 ===========================  ===========================  =========================================
@@ -67,6 +68,7 @@ def roles(regions: Iterable[str]) -> list[Role]:
             Permission.under("readwrite", keys.agents(region)),
             Permission.under("readwrite", f"{keys.ROUTING}{region}/"),
             Permission.on("read", keys.desired(region)),
+            Permission.on("read", keys.PLAN),  # spill-over: which regions serve what, where
         )
         out.append(Role(name=agent_role(region), permissions=tuple(sorted(granted))))
     out.append(Role(name=CONTROLLER, permissions=(Permission.under("readwrite", keys.PREFIX),)))

@@ -4,7 +4,8 @@
 
 ====================  ==========================================================================
 ``edge``              what the HTTP handlers share (``regional_agent.edge.Edge``, app key EDGE)
-``publisher``         with region.id and region.etcd: liveness, status, desired state, and the
+``publisher``         with region.id and region.etcd: liveness, status, desired state (with
+                      spill.enabled also the controller's plan, for ``edge.spill``), and the
                       group tables' sync; app key PUBLISHER
 ``autoscaler``        unless autoscaler.actuator is "none"; app key AUTOSCALER
 ``discovery``         with [[discovery.dns]] names: nodes from DNS; app key DISCOVERY
@@ -70,6 +71,7 @@ from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff, supervise
 from regional_agent.roster import Roster, make_node
 from regional_agent.settings import GROUPS_POLICY, Settings
+from regional_agent.spill import Spill
 from regional_agent.telemetry import Scraper
 from regional_agent.tenants import Tenants
 from regional_agent.upstream import NodeClient
@@ -175,6 +177,9 @@ def create_app(
         group_policy=group_policy,
         prompts=prompts,
         kv_events=kv,
+        spill=Spill(settings=settings.spill, region=settings.region)
+        if settings.spill.enabled
+        else None,
     )
     runtime: WorkerRuntime | None = None
     if worker is not None and worker.count > 1:
@@ -221,6 +226,7 @@ def create_app(
             tables=group_tables,
             on_replicas=edge.tenants.set_replicas,
             on_actor=None if scaler is None else scaler.set_acting,
+            on_plan=None if edge.spill is None else edge.spill.update,
         )
         if scaler is not None:
             scaler.acting = False  # until this replica holds the region's autoscaler key
@@ -396,6 +402,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         supervised("desired", publisher.desired_loop)
         if publisher.on_actor is not None:
             supervised("autoscaler-actor", publisher.actor_loop)
+        if publisher.on_plan is not None:
+            supervised("plan", publisher.plan_loop)
         if publisher.tables is not None:
             supervised("tables-watch", publisher.tables.watch_loop)
             supervised("tables-flush", publisher.tables.flush_loop)

@@ -41,6 +41,7 @@ from regional_agent.prompts import Prompts
 from regional_agent.queue import Dispatcher
 from regional_agent.roster import Roster
 from regional_agent.settings import Settings
+from regional_agent.spill import Spill
 from regional_agent.telemetry import Scraper
 from regional_agent.tenants import Tenants
 from regional_agent.upstream import NodeClient
@@ -66,6 +67,7 @@ class Edge:
     group_policy: GroupPolicy | None = None  # with group tables (routing.policy = "groups")
     prompts: Prompts = field(default_factory=Prompts)  # the models' tokenizers ([tokenizer])
     kv_events: KvEvents | None = None  # the nodes' KV-event subscriptions ([kv_events])
+    spill: Spill | None = None  # other regions to forward to (spill.enabled)
     # with several workers: what a sibling sends (workers.runtime.SIBLING_SECRET) in place of
     # the admin token
     sibling_secret: str | None = None

@@ -10,6 +10,8 @@ Metrics (Prometheus names):
 - ``meridian_agent_routing_decisions_total{policy, reason}``: routing decisions by the first
   word of the policy's reason (``prefix``, ``least-load``, ...);
 - ``meridian_agent_retries_total{cause}``: attempts retried on another node;
+- ``meridian_agent_spills_total{to,cause,outcome}``: requests forwarded to another region, and
+  ``meridian_agent_spilled_in_total{from}`` those another region forwarded here;
 - ``meridian_agent_time_to_first_token_seconds{region, model}``: from arrival at the agent to
   the first byte relayed to the client (streams only), the time the client sees;
 - ``meridian_agent_request_duration_seconds{region, model}``: from arrival to the last byte;
@@ -249,6 +251,8 @@ class Instruments:
         self._retries: Counter[tuple[str, ...]] = Counter()
         self._store_writes: Counter[tuple[str, ...]] = Counter()
         self._refusals: Counter[tuple[str, ...]] = Counter()
+        self._spills: Counter[tuple[str, ...]] = Counter()
+        self._spilled_in: Counter[tuple[str, ...]] = Counter()
         self._discovery_failures: Counter[tuple[str, ...]] = Counter()
         self._prompt_tokens: Counter[tuple[str, ...]] = Counter()
         self._generated_tokens: Counter[tuple[str, ...]] = Counter()
@@ -283,6 +287,19 @@ class Instruments:
             callbacks=[labelled(self._refusals, ("tenant", "cause"))],
             description="Requests refused for their key or tenant, by tenant (none: no valid "
             "key) and cause (unauthenticated, model, requests, tokens).",
+        )
+
+        meter.create_observable_counter(
+            "meridian_agent_spills",
+            callbacks=[labelled(self._spills, ("to", "cause", "outcome"))],
+            description="Requests forwarded to another region (spill-over), by target region "
+            "(none: no region would do), cause (queue, full, model, unavailable) and outcome "
+            "(served, failed, none).",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_spilled_in",
+            callbacks=[labelled(self._spilled_in, ("from",))],
+            description="Requests another region's agent forwarded here, by that region.",
         )
 
         meter.create_observable_counter(
@@ -527,6 +544,12 @@ class Instruments:
 
     def count_refusal(self, *, tenant: str, cause: str) -> None:
         self._refusals[(tenant, cause)] += 1
+
+    def count_spill(self, *, to: str, cause: str, outcome: str) -> None:
+        self._spills[(to, cause, outcome)] += 1
+
+    def count_spilled_in(self, *, origin: str) -> None:
+        self._spilled_in[(origin,)] += 1
 
     def count_discovery_failure(self, *, source: str, cause: str) -> None:
         self._discovery_failures[(source, cause)] += 1

@@ -1429,6 +1429,61 @@ class WorkersSettings(_Group):
         return min(cpus, _MAX_WORKERS)
 
 
+class SpillSettings(_Group):
+    """Spill-over to other regions (``regional_agent.spill``, docs/agent.md "Spill-over"): a
+    request this region would queue too long, refuse, or not serve goes to the best other
+    region its residency allows that serves its model, read from the controller's plan."""
+
+    enabled: bool = Field(
+        False,
+        description="forward requests to other regions (needs region.id and region.etcd: the "
+        "controller's plan says which regions serve what, where, how loaded)",
+    )
+    queue_depth: int = Field(
+        32,
+        ge=1,
+        description="spill a request when this many of its model's requests already wait in the "
+        "queue here (it queues here when no region is better)",
+    )
+    latency_budget_ms: float = Field(
+        100.0,
+        ge=0,
+        description="the longest round trip to a region worth spilling to (ms); a region whose "
+        "round trip is unknown counts as this",
+    )
+    latency_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="round trip from this region to others (ms), e.g. {eu-central = 12}; wins "
+        "over what the controller's probes measured",
+    )
+    max_regions: int = Field(
+        2, ge=1, le=8, description="regions one request may be forwarded to in turn, at most"
+    )
+    status_max_age_s: float = Field(
+        90.0, gt=0, description="a region whose status in the plan is older is not a target (s)"
+    )
+    eject_consecutive_errors: int = Field(
+        3, ge=1, description="failed forwards in a row that eject a region from spill-over"
+    )
+    eject_base_s: float = Field(
+        10.0, gt=0, description="the first ejection lasts this long; the n-th n times as long (s)"
+    )
+    eject_max_s: float = Field(120.0, gt=0, description="longest ejection of a region (s)")
+
+    @field_validator("latency_ms")
+    @classmethod
+    def _latencies(cls, value: dict[str, float]) -> dict[str, float]:
+        for region, ms in value.items():
+            if not _REGION_ID.match(region):
+                raise ValueError(
+                    f"latency_ms: region id {region!r} must be 1-63 lowercase letters, digits "
+                    "and dashes"
+                )
+            if not ms >= 0 or ms == float("inf"):
+                raise ValueError(f"latency_ms: {region} = {ms} must be a finite number >= 0")
+        return value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MERIDIAN_AGENT_",
@@ -1457,6 +1512,7 @@ class Settings(BaseSettings):
     autoscaler: AutoscalerSettings = AutoscalerSettings()
     workers: WorkersSettings = WorkersSettings()
     kv_events: KvEventsSettings = KvEventsSettings()
+    spill: SpillSettings = SpillSettings()
 
     @model_validator(mode="after")
     def _one_owner(self) -> Settings:
@@ -1473,6 +1529,15 @@ class Settings(BaseSettings):
                 f"workers.count = {self.workers.count} with {' and '.join(owned)}: a publishing "
                 "or autoscaling agent runs one process for now (workers.count = 1, the default); "
                 "see docs/agent.md, Workers"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _spill_needs_the_plan(self) -> Settings:
+        if self.spill.enabled and not self.region.publishing:
+            raise ValueError(
+                "spill.enabled needs region.id and region.etcd: the regions to spill to come "
+                "from the controller's plan in etcd"
             )
         return self
 

@@ -43,6 +43,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ from regional_agent.errors import (
     Forbidden,
     InvalidKey,
     NoCapacity,
+    QueueFull,
     RateLimited,
+    UnknownModel,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatus,
@@ -72,6 +75,8 @@ from regional_agent.observability import RequestMetrics
 from regional_agent.prompts import ChatOptions, ModelPrompts, Prompts
 from regional_agent.queue import Lease
 from regional_agent.settings import Settings
+from regional_agent.spill import HEADER as SPILLED_FROM
+from regional_agent.spill import RESIDENCY_HEADER, SPILLED_TO, Spill, request_tags
 from regional_agent.tenants import Admission, Tenant, UsageTally
 from regional_agent.upstream import Timeouts, UpstreamResponse
 
@@ -506,14 +511,30 @@ async def _attempts(
     max_attempts = agent.settings.retry.max_attempts
     attempt = 0
     last: UpstreamError | None = None
+    over = _spill_over(request, agent)  # None: this request stays here
+    if over is not None:
+        depth = agent.dispatcher.depth(parsed.view.model)
+        if over.spill.wants(depth):
+            wait_ms = over.spill.home_wait_ms(depth)
+            spilled = await _spill(
+                request, agent, parsed, path, headers, span, over, "queue", wait_ms
+            )
+            if spilled is not None:
+                return spilled
+            over = None  # no region would do: it queues here, and is not offered twice
     while True:
         attempt += 1
         try:
             lease = await agent.dispatcher.acquire(
                 parsed.view, tokens=parsed.tokens, exclude=frozenset(tried)
             )
-        except NoCapacity:
-            if last is None:
+        except (UnknownModel, QueueFull, NoCapacity) as exc:
+            if over is not None and last is None:  # refused here before any node tried it
+                cause = _SPILL_CAUSES[type(exc)]
+                spilled = await _spill(request, agent, parsed, path, headers, span, over, cause)
+                if spilled is not None:
+                    return spilled
+            if not isinstance(exc, NoCapacity) or last is None:
                 raise
             # no other node to retry on: the client gets the failure we saw
             span.set_attribute("meridian.retries", attempt - 2)
@@ -567,6 +588,85 @@ async def _attempts(
         lease.release(failed=False)
         span.set_attribute("meridian.retries", attempt - 1)
         return response, lease.node_id
+
+
+# -- spill-over -----------------------------------------------------------------------------
+
+_SPILL_CAUSES: dict[type[AgentError], str] = {
+    UnknownModel: "model",
+    QueueFull: "full",
+    NoCapacity: "unavailable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _SpillOver:
+    spill: Spill
+    tags: frozenset[str]  # residency tags the request adds to its region's
+
+
+def _spill_over(request: web.Request, agent: Edge) -> _SpillOver | None:
+    """Whether this request may go to another region: spill-over is on and it was not
+    forwarded here already (one hop: ``X-Meridian-Spilled-From``).  A malformed
+    ``X-Meridian-Residency`` is a 400 here, before the request goes anywhere."""
+    origin = request.headers.get(SPILLED_FROM)
+    if origin is not None:
+        known = agent.spill is not None and agent.spill.knows(origin)
+        agent.instruments.count_spilled_in(origin=origin if known else "other")
+        return None
+    if agent.spill is None:
+        return None
+    return _SpillOver(agent.spill, request_tags(request.headers.get(RESIDENCY_HEADER)))
+
+
+async def _spill(
+    request: web.Request,
+    agent: Edge,
+    parsed: _Parsed,
+    path: str,
+    headers: Mapping[str, str],
+    span: Span,
+    over: _SpillOver,
+    cause: str,
+    home_wait_ms: float = math.inf,
+) -> tuple[web.StreamResponse, str] | None:
+    """Forward the request to the best other region that answers (``policies.spill``), at most
+    ``spill.max_regions`` of them in turn, while nothing has reached the client; ``None`` when
+    none would do or none answered, and the request stays here."""
+    spill = over.spill
+    model = parsed.view.model
+    choice = spill.choose(model, tags=over.tags, home_wait_ms=home_wait_ms, now=agent.clock.now())
+    if not choice.targets:
+        agent.instruments.count_spill(to="none", cause=cause, outcome="none")
+        log.info("no region to spill to model=%s cause=%s: %s", model, cause, choice.why_none())
+        return None
+    forward = {**headers, SPILLED_FROM: spill.home}
+    if "Authorization" in request.headers:  # the other region checks the client's key itself
+        forward["Authorization"] = request.headers["Authorization"]
+    for target in choice.targets[: spill.settings.max_regions]:
+        hop = _Hop(f"region:{target.region}", region=target.region)
+        if span.is_recording():
+            span.set_attributes({"meridian.spill_to": target.region, "meridian.spill": cause})
+        url = target.endpoint.rstrip("/") + path
+        try:
+            response = await _exchange(request, agent, parsed, url, forward, hop, agent.clock.now())
+        except UpstreamError as exc:
+            refused = isinstance(exc, UpstreamStatus) and exc.http_status == 404
+            if not _node_at_fault(exc) and not refused:  # the client's mistake, wherever it goes
+                agent.instruments.count_spill(to=target.region, cause=cause, outcome="served")
+                return _relay_error(exc), hop.label
+            agent.instruments.count_spill(to=target.region, cause=cause, outcome="failed")
+            log.warning(
+                "spill-over failed region=%s model=%s cause=%s error=%s",
+                target.region,
+                model,
+                cause,
+                exc.message,
+            )
+            continue
+        agent.instruments.count_spill(to=target.region, cause=cause, outcome="served")
+        return response, hop.label
+    return None
 
 
 def _node_at_fault(exc: UpstreamError) -> bool:
@@ -634,16 +734,52 @@ async def _send(
     node = agent.pool.get(lease.node_id)
     if node is None:  # removed while we waited
         raise UpstreamUnavailable(f"node {lease.node_id} was removed", node_id=lease.node_id)
+    return await _exchange(
+        request, agent, parsed, node.endpoint(path), headers, _Hop(lease.node_id, lease), arrived
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Hop:
+    """Where one attempt goes: a node, under its lease, or another region (spill-over)."""
+
+    label: str  # the node id, or "region:<id>"
+    lease: Lease | None = None
+    region: str | None = None  # spill-over's target
+
+    def record(self, agent: Edge, *, ok: bool, ttft_s: float | None) -> None:
+        """The attempt's outcome, for the node's health or the region's (``agent.spill``)."""
+        now = agent.clock.now()
+        if self.region is None:
+            agent.health.record(NodeId(self.label), ok=ok, ttft_s=ttft_s, now=now)
+        elif agent.spill is not None:
+            agent.spill.record(self.region, ok=ok, now=now)
+
+    def draining(self) -> bool:
+        """Whether a drain ran the attempt past its timeout (nodes only)."""
+        timeout = None if self.lease is None else self.lease.timeout
+        return timeout is not None and timeout.expired()
+
+
+async def _exchange(
+    request: web.Request,
+    agent: Edge,
+    parsed: _Parsed,
+    url: str,
+    headers: Mapping[str, str],
+    hop: _Hop,
+    arrived: float,
+) -> web.StreamResponse:
+    """POST the request to ``url`` and relay the answer: the one exchange of an attempt."""
     sent = agent.clock.now()
-    url = node.endpoint(path)
     try:
         timeouts = _stall_timeouts(agent, parsed) if parsed.stream else None
         async with agent.client.post(
-            lease.node_id, url, body=parsed.raw, headers=headers, timeouts=timeouts
+            hop.label, url, body=parsed.raw, headers=headers, timeouts=timeouts
         ) as up:
             if parsed.stream:
                 return await _relay_stream(
-                    request, agent, parsed, up, lease, sent=sent, arrived=arrived
+                    request, agent, parsed, up, hop, sent=sent, arrived=arrived
                 )
             data = await up.read()
             if parsed.tally is not None and up.status < 400:
@@ -653,15 +789,20 @@ async def _send(
                     answer = json.loads(data)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise UpstreamProtocolError(
-                        f"node {lease.node_id} answered with malformed JSON", node_id=lease.node_id
+                        f"node {hop.label} answered with malformed JSON", node_id=hop.label
                     ) from exc
                 if up.status < 400:
                     parsed.metrics.body(answer)
-            agent.health.record(lease.node_id, ok=True, ttft_s=None, now=agent.clock.now())
-            return web.Response(body=data, status=up.status, content_type=_mime(up.content_type))
+            hop.record(agent, ok=True, ttft_s=None)
+            response = web.Response(
+                body=data, status=up.status, content_type=_mime(up.content_type)
+            )
+            if hop.region is not None:
+                response.headers[SPILLED_TO] = hop.region
+            return response
     except UpstreamError as exc:
-        if _node_at_fault(exc):
-            agent.health.record(lease.node_id, ok=False, ttft_s=None, now=agent.clock.now())
+        if _node_at_fault(exc) or hop.region is not None:
+            hop.record(agent, ok=False, ttft_s=None)
         raise
 
 
@@ -670,7 +811,7 @@ async def _relay_stream(
     agent: Edge,
     parsed: _Parsed,
     up: UpstreamResponse,
-    lease: Lease,
+    hop: _Hop,
     *,
     sent: float,
     arrived: float,
@@ -680,20 +821,17 @@ async def _relay_stream(
         first = await anext(chunks)  # before this, a failure can still be retried elsewhere
     except StopAsyncIteration:
         raise UpstreamProtocolError(
-            f"node {lease.node_id} sent an empty stream", node_id=lease.node_id
+            f"node {hop.label} sent an empty stream", node_id=hop.label
         ) from None
     now = agent.clock.now()
-    lease.first_token()
-    agent.health.record(lease.node_id, ok=True, ttft_s=now - sent, now=now)
+    if hop.lease is not None:
+        hop.lease.first_token()
+    hop.record(agent, ok=True, ttft_s=now - sent)
     agent.instruments.record_ttft(now - arrived, model=parsed.metrics.model)
-    response = web.StreamResponse(
-        status=up.status,
-        headers={
-            "Content-Type": up.content_type,
-            "Cache-Control": "no-cache",
-            **parsed.reply_headers,
-        },
-    )
+    headers = {"Content-Type": up.content_type, "Cache-Control": "no-cache", **parsed.reply_headers}
+    if hop.region is not None:
+        headers[SPILLED_TO] = hop.region
+    response = web.StreamResponse(status=up.status, headers=headers)
     tally = parsed.tally
     counted = parsed.metrics
     try:
@@ -711,13 +849,13 @@ async def _relay_stream(
                 await response.write(chunk)
         except UpstreamError as exc:
             failure = exc.message
-            agent.health.record(lease.node_id, ok=False, ttft_s=None, now=agent.clock.now())
+            hop.record(agent, ok=False, ttft_s=None)
         except asyncio.CancelledError:
-            if lease.timeout is None or not lease.timeout.expired():
+            if not hop.draining():
                 raise  # the client went away: closing upstream makes the node abort
             failure = "the node is being drained and the stream ran past the drain timeout"
         if failure is not None:
-            log.warning("stream broken after first byte node=%s error=%s", lease.node_id, failure)
+            log.warning("stream broken after first byte node=%s error=%s", hop.label, failure)
             event = {
                 "error": {
                     "message": f"the serving node failed mid-stream: {failure}",
@@ -733,7 +871,7 @@ async def _relay_stream(
         # before cancelling this handler.  Leaving the upstream block closes the node's
         # connection, so the node aborts, as on a cancel.  (Upstream failures never get here:
         # chunks() raises them as UpstreamError.)
-        raise _ClientGone(response, node_id=lease.node_id) from None
+        raise _ClientGone(response, node_id=hop.label) from None
     return response
 
 

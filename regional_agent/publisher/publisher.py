@@ -26,6 +26,8 @@ them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
   ``on_actor`` tells its autoscaler whether it holds it; the others stand by and take over once
   the holder's lease is gone.  Unconfirmed for a whole lease TTL (etcd unreachable), it stops
   acting: two replicas never act at once, by the lease's own guarantee.
+* :meth:`Publisher.plan_loop` — ``controller/plan``: with spill-over on (``on_plan``), the
+  controller's plan, which says which regions serve what, where and how loaded.
 * ``TableSync.watch_loop`` and ``TableSync.flush_loop`` (``group_routing/sync.py``) — the group
   tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them, under this
   publisher's lease.
@@ -58,7 +60,7 @@ import pydantic
 import meridian_etcd as etcd
 from meridian_service.clock import Clock
 from meridian_wire import keys
-from meridian_wire.models import RegionDesired, RegionStatus
+from meridian_wire.models import FleetPlan, RegionDesired, RegionStatus
 from regional_agent.group_routing import GroupTables, TableSync
 from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
@@ -157,6 +159,7 @@ class Publisher:
         tables: GroupTables | None = None,
         on_replicas: Callable[[int, int], None] | None = None,
         on_actor: Callable[[bool, str | None], None] | None = None,
+        on_plan: Callable[[FleetPlan], None] | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
@@ -167,6 +170,7 @@ class Publisher:
         self._on_floor = on_floor
         self.on_replicas = on_replicas
         self.on_actor = on_actor
+        self.on_plan = on_plan
         self.replicas: tuple[str, ...] = ()  # live replicas of the region, this one included
         self._wall = wall
         self._rng = rng
@@ -392,6 +396,40 @@ class Publisher:
             current.capacity_floor,
             reason,
         )
+
+    # -- the controller's plan (spill-over) --------------------------------------------------
+
+    async def plan_loop(self) -> None:
+        """Follow ``controller/plan`` and hand each plan that parses to ``on_plan``; one that
+        does not is logged and the last good one stays in force (fail static, like etcd's
+        silence).  Agents read the plan only with spill-over on: ``regional_agent.spill``."""
+        on_plan = self.on_plan
+        if on_plan is None:
+            return
+        backoff = self._backoff()
+        while True:
+            try:
+                async with contextlib.aclosing(self._store.follow(keys.PLAN)) as changes:
+                    async for change in changes:
+                        self._answered()
+                        backoff.reset()
+                        if change.value is None:
+                            continue  # no controller has planned yet
+                        try:
+                            plan = FleetPlan.model_validate_json(change.value)
+                        except pydantic.ValidationError as exc:
+                            log.warning(
+                                "malformed plan ignored key=%s revision=%d error=%s: spill-over "
+                                "keeps the last good one",
+                                keys.PLAN,
+                                change.revision,
+                                _problems(exc),
+                            )
+                            continue
+                        on_plan(plan)
+            except etcd.EtcdError as exc:
+                self.link.failed(exc)
+            await asyncio.sleep(backoff.next_s())
 
     # -- desired -----------------------------------------------------------------------------
 

@@ -97,18 +97,21 @@ def test_each_region_gets_a_role_for_its_own_keys_and_the_controller_one_for_all
             Permission.under("readwrite", "/meridian/v1/regions/eu-west/agents/"),
             Permission.under("readwrite", "/meridian/v1/routing/eu-west/"),
             Permission.on("read", "/meridian/v1/regions/eu-west/desired"),
+            Permission.on("read", "/meridian/v1/controller/plan"),
         },
         "meridian-agent-us-east": {
             Permission.under("readwrite", "/meridian/v1/regions/us-east/agents/"),
             Permission.under("readwrite", "/meridian/v1/routing/us-east/"),
             Permission.on("read", "/meridian/v1/regions/us-east/desired"),
+            Permission.on("read", "/meridian/v1/controller/plan"),
         },
         "meridian-controller": {Permission.under("readwrite", "/meridian/v1/")},
     }
     # a region's prefixes end with "/": eu does not reach eu-west
     eu = next(r for r in access.roles(["eu"]) if r.name == "meridian-agent-eu")
-    assert all(p.key.endswith("/") or p.key.endswith("/desired") for p in eu.permissions)
+    assert all(p.key.endswith(("/", "/desired", "controller/plan")) for p in eu.permissions)
     assert sorted(map(str, eu.permissions)) == [
+        "read /meridian/v1/controller/plan",
         "read /meridian/v1/regions/eu/desired",
         "readwrite /meridian/v1/regions/eu/agents/*",
         "readwrite /meridian/v1/routing/eu/*",
@@ -146,7 +149,7 @@ def test_the_bootstrap_creates_roles_users_and_auth_then_changes_nothing(
     assert "nothing to change: 3 roles, 4 users and auth are as they should be" in again.stdout
     dry = _bootstrap(tls_etcd.config, "--region", "ap-south", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert "+ role meridian-agent-ap-south" in dry.stdout and "would change: 6" in dry.stdout
+    assert "+ role meridian-agent-ap-south" in dry.stdout and "would change: 7" in dry.stdout
 
 
 async def test_the_bootstrap_puts_back_what_was_taken_and_takes_what_was_added(
@@ -184,6 +187,7 @@ async def test_an_agent_certificate_writes_its_region_and_nothing_else(tls_etcd:
         await agent.put(keys.agent_status("eu-west", "a1"), b"{}", lease=lease)
         await agent.commit(puts={keys.group("eu-west", "prefix", 0): b"{}"}, lease=lease)
         assert await agent.get(keys.desired("eu-west")) is None  # read, and nothing there yet
+        assert await agent.get(keys.PLAN) is None  # read (spill-over), and nothing there yet
         for key in (
             keys.agent_alive("us-east", "a1"),
             keys.PLAN,

@@ -81,8 +81,10 @@ class AgentStarter:
         self._runners: list[hygiene.Runner] = []
 
     async def __call__(
-        self, node_urls: list[str], *, policy: str = "meridian", **groups: Any
+        self, node_urls: list[str], *, policy: str = "meridian", port: int = 0, **groups: Any
     ) -> AgentHandle:
+        """``port``: 0 for a free one, or one a test reserved (``ports.free_port``) because
+        the agent's settings must name its own address (``region.endpoints``)."""
         values = merge(
             FAST,
             {
@@ -98,7 +100,7 @@ class AgentStarter:
             app, settings.server.limits(), handler_cancellation=True, access_log=None
         )
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         self._runners.append(runner)
         server = site._server
