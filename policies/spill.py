@@ -19,9 +19,9 @@ A region is a target for a request of model ``m`` that needs residency tags ``N`
 * is within the latency budget: its round trip from home (configured, else measured by the
   controller's probes, else unknown, which counts as the budget itself) is at most
   ``budget_ms``;
-* is expected to start the request sooner than home would: its estimated queue wait
-  (``queue_depth / requests_per_s``) is below ``home_wait_ms`` (infinite when home cannot take
-  the request at all).
+* is expected to start the request sooner than home would: the round trip plus its
+  estimated queue wait (``queue_depth / requests_per_s``) is below ``home_wait_ms`` (infinite
+  when home cannot take the request at all).
 
 Targets come back best first, by round trip plus estimated wait (ties by name), each with the
 reasons the others were ruled out, for the log and the response's headers.
@@ -106,12 +106,15 @@ def rank(
         if why is None and (rtt if rtt is not None else budget_ms) > budget_ms:
             why = f"round trip {rtt:g} ms over the budget of {budget_ms:g} ms"
         wait = region.wait_ms()
-        if why is None and wait >= home_wait_ms:
-            why = f"its queue ({region.queue_depth} waiting, ~{wait:.0f} ms) is no shorter"
+        score = (rtt if rtt is not None else budget_ms) + wait
+        if why is None and score >= home_wait_ms:
+            why = (
+                f"its queue ({region.queue_depth} waiting, ~{wait:.0f} ms) and the round trip "
+                f"start it no sooner than here (~{home_wait_ms:.0f} ms)"
+            )
         if why is not None:
             ruled_out.append(f"{region.name}: {why}")
             continue
-        score = (rtt if rtt is not None else budget_ms) + wait
         chosen.append(
             Target(region=region.name, endpoint=region.endpoints[0], latency_ms=rtt, score_ms=score)
         )

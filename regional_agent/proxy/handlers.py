@@ -531,7 +531,15 @@ async def _attempts(
         except (UnknownModel, QueueFull, NoCapacity) as exc:
             if over is not None and last is None:  # refused here before any node tried it
                 cause = _SPILL_CAUSES[type(exc)]
-                spilled = await _spill(request, agent, parsed, path, headers, span, over, cause)
+                # a full queue: a region whose queue is as long is no better; else any will do
+                wait_ms = (
+                    over.spill.home_wait_ms(agent.dispatcher.depth(parsed.view.model))
+                    if isinstance(exc, QueueFull)
+                    else math.inf
+                )
+                spilled = await _spill(
+                    request, agent, parsed, path, headers, span, over, cause, wait_ms
+                )
                 if spilled is not None:
                     return spilled
             if not isinstance(exc, NoCapacity) or last is None:
