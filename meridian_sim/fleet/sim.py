@@ -40,8 +40,14 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
 Requests go to a region by a stable hash of their session (the trace's session key, else the
 conversation's first own block id), as DNS steering keeps a client in one region, and within it
 to an agent by another, independent hash of the same key, as a load balancer with session
-stickiness in front of the replicas would.  Nothing crosses regions.  Not modelled: network and
-proxy latency (zero), health, failures, drains, slow start, retries, the scrape's own latency,
+stickiness in front of the replicas would.  Nothing crosses regions, but with ``spill``: a
+request that finds ``spill.queue_depth`` waiting in its agent's queue, or the queue full, goes
+to the region ``policies.spill.rank`` picks from the last plan (each region's queue and finishing
+rate, refreshed every ``spill.plan_interval_s``), arriving there half of ``spill.rtt_s`` later and
+answered half of it later again; it is never spilled twice, and its prompt's cache is whatever
+that region's nodes hold (usually nothing: the re-prefill is paid in full).  Not modelled:
+network and proxy latency (zero, but for spill-over's round trip), health, failures, drains, slow
+start, retries, the scrape's own latency,
 per-request output-length sampling (every request generates exactly its trace
 ``output_length``).
 
@@ -84,6 +90,7 @@ from meridian_sim.offline import percentile
 from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
 from policies import admission, autoscaling, group_routing, routing
+from policies import spill as spill_policy
 from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
 from policies.model import NodeId, NodeView, NodeViews, RequestView, Telemetry
@@ -100,6 +107,8 @@ _ENGINE_ADD: Final = 4
 _KV_EVENTS: Final = 5
 _AUTOSCALE: Final = 6
 _NODE_READY: Final = 7
+_SPILL_ARRIVE: Final = 8  # a spilled request reaches the other region's agent
+_PLAN: Final = 9  # the controller's plan: every region's queue and rate, for spill-over
 
 # a node's state, with autoscaling (without it every node serves throughout)
 _OFF: Final = 0
@@ -125,6 +134,21 @@ class Scaling:
     """One node's measured capacity, for the forecast (None: the predictive demand is unknown)."""
     floor_nodes: int = 0
     """The controller's pre-warm floor, in nodes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spill:
+    """Spill-over between regions (``FleetConfig.spill``), as the agent's ``spill.*``."""
+
+    queue_depth: int = 32
+    """A request that finds this many waiting in its agent's queue looks for another region."""
+    rtt_s: float = 0.02
+    """The round trip between any two regions: half on the way there, half on the way back."""
+    budget_s: float = 0.1
+    """``spill.latency_budget_ms``: no region further than this is a target."""
+    plan_interval_s: float = 5.0
+    """What an agent knows of the other regions' queues and rates is the controller's plan,
+    rewritten once a window: this old at most."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,6 +183,10 @@ class FleetConfig:
     region (nodes x the profile's ``num_gpu_blocks``)."""
     autoscaling: Scaling | None = None
     """The region's node count follows ``policies.autoscaling``; ``nodes`` is its maximum."""
+    region_nodes: tuple[int, ...] | None = None
+    """Nodes of each region (they sum to ``nodes``); default: as even as they go."""
+    spill: Spill | None = None
+    """Requests a region would queue long or refuse go to another region (``policies.spill``)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -180,6 +208,23 @@ class FleetConfig:
             )
         if self.kv_event_delay_s < 0:
             raise FleetError("kv_event_delay_s must be >= 0")
+        if self.region_nodes is not None and (
+            len(self.region_nodes) != self.regions
+            or sum(self.region_nodes) != self.nodes
+            or min(self.region_nodes) < 1
+        ):
+            raise FleetError(
+                f"region_nodes must give each of the {self.regions} regions at least one node, "
+                f"{self.nodes} in all, got {self.region_nodes}"
+            )
+        if self.spill is not None:
+            if self.regions < 2 or self.agents_per_region != 1:
+                raise FleetError("spill needs two regions or more, with one agent each")
+            sp = self.spill
+            if sp.queue_depth < 1 or sp.rtt_s < 0 or sp.plan_interval_s <= 0:
+                raise FleetError(
+                    "spill.queue_depth must be >= 1, rtt_s >= 0 and plan_interval_s > 0"
+                )
         a = self.autoscaling
         if a is not None:
             if self.regions != 1:
@@ -228,6 +273,7 @@ class Outcome:
     prompt_tokens: int
     cached_prompt_tokens: int
     output_tokens: int
+    spilled_to: int | None = None  # the region that served it, when it was spilled there
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,7 +324,7 @@ class _Node:
 
 
 class _Region:
-    __slots__ = ("agents", "arrivals", "by_id", "kv_index", "nodes", "scaling")
+    __slots__ = ("agents", "arrivals", "by_id", "finished", "kv_index", "nodes", "scaling")
 
     def __init__(self, *, nodes: list[_Node]) -> None:
         self.nodes = nodes
@@ -288,6 +334,7 @@ class _Region:
         # object: each agent subscribes to the same engines and sees the same events)
         self.kv_index: PreciseIndex | None = None
         self.arrivals = 0  # since the autoscaler's last tick
+        self.finished = 0  # requests its nodes finished, all the run (spill-over's rates)
         self.scaling = autoscaling.State()
 
 
@@ -421,6 +468,10 @@ class Fleet:
         self._gpu_s = 0.0  # GPU time of nodes that have stopped (the rest is added at the end)
         self._end_s = 0.0
         self._fresh_engines = random.Random(config.seed + 3)  # the engines of ordered nodes
+        self._spilled_to: list[int | None] = [None] * n
+        # spill-over's view of every region, as of the last plan: (queue depth, finished/s)
+        self._plan: list[tuple[int, float]] | None = None  # None: no plan yet, no spill-over
+        self._plan_finished = [0] * config.regions
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -429,8 +480,10 @@ class Fleet:
         master = random.Random(cfg.seed)  # engines, and each region's first agent
         phases = random.Random(cfg.seed + 1)  # scrape phases
         replicas = random.Random(cfg.seed + 2)  # the other agents (none drawn with one agent)
-        per = [cfg.nodes // cfg.regions + (1 if r < cfg.nodes % cfg.regions else 0)
-               for r in range(cfg.regions)]  # fmt: skip
+        per = list(cfg.region_nodes or ())
+        if not per:
+            per = [cfg.nodes // cfg.regions + (1 if r < cfg.nodes % cfg.regions else 0)
+                   for r in range(cfg.regions)]  # fmt: skip
         for r, count in enumerate(per):
             nodes = []
             for i in range(count):
@@ -513,6 +566,8 @@ class Fleet:
         cpu_started = time.process_time()
         for i, r in enumerate(self.requests):
             self._push(r.timestamp_s, _ARRIVE, i)
+        if self.config.spill is not None:
+            self._push(self.config.spill.plan_interval_s, _PLAN, 0)
         total = len(self.requests)
         last_arrival = self.requests[-1].timestamp_s if self.requests else 0.0
         done = 0
@@ -545,6 +600,14 @@ class Fleet:
             elif kind == _NODE_READY:
                 index, generation = self._ready_at.pop(arg)
                 self._node_ready(self._nodes[index], now, generation)
+            elif kind == _SPILL_ARRIVE:
+                done += self._arrive(arg, now, forwarded=True)
+            elif kind == _PLAN:
+                spill = self.config.spill
+                assert spill is not None
+                self._snapshot(spill.plan_interval_s)
+                if done < total:
+                    self._push(now + spill.plan_interval_s, _PLAN, 0)
             else:
                 self._engine_add(arg, now)
             if end is None and done >= total:
@@ -591,13 +654,24 @@ class Fleet:
             self._views[i] = view
         return view
 
-    def _arrive(self, i: int, now: float) -> int:
+    def _arrive(self, i: int, now: float, *, forwarded: bool = False) -> int:
         r = self.requests[i]
         total = r.input_length + r.output_length
         if total > self.profile.max_model_len or total > self.profile.kv_cache_tokens:
             self._refused[i] = "too_large"
             return 1
         agent = self._agents[self._agent_of[i]]
+        spill = self.config.spill
+        if spill is not None and not forwarded:
+            depth = len(agent.queue)
+            full = not admission.admit(depth, max_depth=self.config.max_depth)
+            if full or depth >= spill.queue_depth:
+                target = self._spill_target(self._region_of[i], depth)
+                if target is not None:  # one hop, half the round trip on the way there
+                    self._spilled_to[i] = target
+                    self._agent_of[i] = target  # one agent per region
+                    self._push(now + spill.rtt_s / 2, _SPILL_ARRIVE, i)
+                    return 0
         agent.region.arrivals += 1
         if not agent.queue and self._try_route(agent, i, now):
             return 0
@@ -607,6 +681,49 @@ class Fleet:
         agent.queue.append(i)
         self._push(now + self.config.deadline_s, _DEADLINE, i)
         return 0
+
+    def _snapshot(self, interval_s: float) -> None:
+        """The controller's plan: each region's queue now and its finishing rate since the last."""
+        plan = []
+        for r, region in enumerate(self._regions):
+            rate = (region.finished - self._plan_finished[r]) / interval_s
+            self._plan_finished[r] = region.finished
+            plan.append((sum(len(a.queue) for a in region.agents), rate))
+        self._plan = plan
+
+    def _spill_target(self, home: int, depth: int) -> int | None:
+        """The region ``policies.spill.rank`` picks from the last plan, as the agent would."""
+        spill = self.config.spill
+        plan = self._plan
+        assert spill is not None
+        if plan is None:
+            return None  # before the first plan the agent knows of no other region
+        regions = [
+            spill_policy.Region(
+                name=str(r),
+                residency=frozenset(),
+                endpoints=("sim",),
+                models={MODEL: float(len(region.nodes))},
+                in_service=True,
+                queue_depth=plan[r][0],
+                requests_per_s=plan[r][1],
+            )
+            for r, region in enumerate(self._regions)
+        ]
+        rate = plan[home][1]
+        # full or not: a region whose queue is as long is no better
+        home_wait_ms = 1000.0 * depth / rate if rate > 0 else depth * spill_policy.UNKNOWN_WAIT_MS
+        choice = spill_policy.rank(
+            regions,
+            home=str(home),
+            model=MODEL,
+            needs=frozenset(),
+            latency_ms={str(r): spill.rtt_s * 1000.0 for r in range(len(regions)) if r != home},
+            budget_ms=spill.budget_s * 1000.0,
+            max_age_s=float("inf"),
+            home_wait_ms=home_wait_ms,
+        )
+        return int(choice.targets[0].region) if choice.targets else None
 
     def _deadline(self, i: int, now: float) -> int:
         if self._dispatched[i] is not None or self._refused[i] is not None:
@@ -794,6 +911,7 @@ class Fleet:
         for rec in result.finished:
             i = int(rec.request_id)
             self._records[i] = rec
+            self._regions[node.region].finished += 1
             r = self.requests[i]
             agent = self._agents[self._agent_of[i]]
             agent.in_flight[pos] -= 1
@@ -944,22 +1062,32 @@ class Fleet:
 
     def _outcomes(self) -> tuple[Outcome, ...]:
         out = []
+        spill = self.config.spill
         for i, r in enumerate(self.requests):
             rec = self._records[i]
             node_i = self._node_of[i]
+            spilled = self._spilled_to[i]
+            # a spilled answer travels back to the home region: the client sees it half a
+            # round trip later (the way there is in its arrival at the other region)
+            back = 0.0 if spilled is None or spill is None else spill.rtt_s / 2
             out.append(
                 Outcome(
                     index=i,
                     region=self._region_of[i],
                     agent=self._agent_of[i] % self.config.agents_per_region,
+                    spilled_to=spilled,
                     node=None if node_i is None else self._nodes[node_i].node_id,
                     refused=self._refused[i],
                     arrival_s=r.timestamp_s,
                     dispatched_s=self._dispatched[i],
                     queued_s=None if rec is None else rec.queued_s,
                     first_scheduled_s=None if rec is None else rec.first_scheduled_s,
-                    first_token_s=None if rec is None else rec.first_token_s,
-                    finished_s=None if rec is None else rec.finished_s,
+                    first_token_s=(
+                        None
+                        if rec is None or rec.first_token_s is None
+                        else rec.first_token_s + back
+                    ),
+                    finished_s=None if rec is None else rec.finished_s + back,
                     prompt_tokens=r.input_length,
                     cached_prompt_tokens=0 if rec is None else rec.cached_prompt_tokens,
                     output_tokens=0 if rec is None else rec.generation_tokens,
@@ -990,10 +1118,22 @@ class Fleet:
             if o.refused is not None:
                 refused[o.refused] = refused.get(o.refused, 0) + 1
         preemptions = sum(n.engine.stats.num_preemptions for n in self._nodes)
+        spilled = [o for o in done if o.spilled_to is not None]
+        stayed = [o for o in done if o.spilled_to is None]
+
+        def ttft_of(group: Sequence[Outcome], q: float) -> float:
+            return percentile(
+                [o.first_token_s - o.arrival_s for o in group if o.first_token_s is not None], q
+            )
+
+        def hit_rate(group: Sequence[Outcome]) -> float:
+            tokens = sum(o.prompt_tokens for o in group)
+            return sum(o.cached_prompt_tokens for o in group) / tokens if tokens else 0.0
+
         index_bytes = [routing.prefix_index_bytes(a.policy) for a in self._agents]
         cfg = self.config
         gpu_s = self._gpu_s + sum(self._end_s - n.since for n in self._nodes if n.state != _OFF)
-        return {
+        summary: dict[str, float | int | str] = {
             "policy": cfg.policy,
             "nodes": cfg.nodes,
             "regions": cfg.regions,
@@ -1016,6 +1156,7 @@ class Fleet:
             "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
             "throughput_tok_s": output / span,
             "preemptions": preemptions,
+            "spilled": sum(1 for o in outcomes if o.spilled_to is not None),
             # the agents' prefix indexes at the end, all agents, by the index's own estimate
             "prefix_index_mib": sum(b or 0 for b in index_bytes) / 2**20,
             # with kv_events: the precise index of each agent (one region's is every agent's)
@@ -1036,6 +1177,18 @@ class Fleet:
             "gpu_hours": gpu_s / 3600.0,
             "nodes_mean": gpu_s / self._end_s if self._end_s > 0 else float(cfg.nodes),
         }
+        if cfg.spill is not None:  # what the spilled requests and the others saw
+            summary.update(
+                {
+                    "ttft_spilled_p50_s": ttft_of(spilled, 0.5),
+                    "ttft_spilled_p99_s": ttft_of(spilled, 0.99),
+                    "ttft_stayed_p50_s": ttft_of(stayed, 0.5),
+                    "ttft_stayed_p99_s": ttft_of(stayed, 0.99),
+                    "hit_rate_spilled": hit_rate(spilled),
+                    "hit_rate_stayed": hit_rate(stayed),
+                }
+            )
+        return summary
 
 
 def simulate(
