@@ -28,6 +28,9 @@ class RegionLoad(_Value):
     requests_per_s: float = Field(0.0, ge=0, description="requests finished per second")
     error_rate: float = Field(0.0, ge=0, le=1, description="failed share of finished requests")
     ttft_p99_s: float | None = Field(None, ge=0, description="p99 time to first token, seconds")
+    spilled_per_s: float = Field(
+        0.0, ge=0, description="requests per second other regions served for this one (spill-over)"
+    )
 
 
 class GroupLayout(_Value):

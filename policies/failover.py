@@ -72,7 +72,10 @@ is failed or drained the alert says so.
 Every change comes back as an :class:`Event` with a short ``reason`` for the shell to log and
 store: ``strike`` (a failed window counted), ``state``, ``failover`` (traffic moves to a backup,
 or to a new one), ``recovery`` (a ramp step), ``floor``, ``residency`` (residency ruled out a
-configured or requested backup, or every candidate), ``alert`` (raised, changed or cleared).
+configured or requested backup, or every candidate), ``alert`` (raised, changed or cleared),
+``model`` (a model's backup, or a status claiming a model with no capacity) and ``spill`` (a
+region's agents started or stopped forwarding requests to other regions, from its status's
+``spilled_per_s``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ RegionAdmin = Literal["active", "draining", "drained"]
 ShareRule = Literal["capacity", "equal"]
 BackupRank = Literal["latency", "proximity"]
 EventKind = Literal[
-    "strike", "state", "failover", "floor", "recovery", "alert", "residency", "model"
+    "strike", "state", "failover", "floor", "recovery", "alert", "residency", "model", "spill"
 ]
 EventValue = str | int | float | bool | None | tuple[str, ...]
 
@@ -178,6 +181,7 @@ class StatusSnapshot:
     queue_depth: int = 0  # requests waiting in the agent's queue
     in_flight: int = 0  # requests on the region's nodes
     models: Mapping[str, float] | None = None  # model -> serving capacity; None: not published
+    spilled_per_s: float = 0.0  # requests/s other regions served for it (spill-over)
 
     @property
     def headroom(self) -> float:
@@ -247,6 +251,7 @@ class Verdict:
     model_backups: tuple[tuple[str, RegionId | None], ...] = ()  # each of its models' backup
     model_floors: tuple[tuple[str, float], ...] = ()  # per model, the floor of what it protects
     ignored_models: tuple[str, ...] = ()  # models its status claims with no capacity
+    spilling: bool = False  # its agents forward requests to other regions (spill-over)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1012,6 +1017,23 @@ def _judge_region(
                     data={"model": model, "ignored": True},
                 )
             )
+    spilling = before.spilling
+    if status is not None and (status.spilled_per_s > 0) != before.spilling:
+        spilling = status.spilled_per_s > 0
+        events.append(
+            Event(
+                kind="spill",
+                region=region,
+                reason=(
+                    f"spilling {status.spilled_per_s:g} requests/s to other regions: its queue "
+                    "is over spill.queue_depth, full, or lacks the model"
+                    if spilling
+                    else "stopped spilling to other regions"
+                ),
+                at=now,
+                data={"spilling": spilling, "per_s": status.spilled_per_s},
+            )
+        )
     after = replace(
         before,
         state=state,
@@ -1024,6 +1046,7 @@ def _judge_region(
         serving_capacity=capacity,
         serving_models=models,
         ignored_models=ignored,
+        spilling=spilling,
     )
     if state != before.state:
         events.append(

@@ -180,10 +180,13 @@ class RequestTotals:
 
     finished: int = 0  # requests answered (any status) or abandoned by the client
     failed: int = 0  # of those, the ones the client got a 5xx for
+    spilled: int = 0  # of those, the ones another region served (spill-over)
     ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BOUNDS_S) + 1))
 
     def copy(self) -> RequestTotals:
-        return RequestTotals(finished=self.finished, failed=self.failed, ttft=list(self.ttft))
+        return RequestTotals(
+            finished=self.finished, failed=self.failed, spilled=self.spilled, ttft=list(self.ttft)
+        )
 
 
 def quantile(counts: Sequence[int], q: float) -> float | None:
@@ -547,6 +550,8 @@ class Instruments:
 
     def count_spill(self, *, to: str, cause: str, outcome: str) -> None:
         self._spills[(to, cause, outcome)] += 1
+        if outcome == "served":
+            self.totals.spilled += 1
 
     def count_spilled_in(self, *, origin: str) -> None:
         self._spilled_in[(origin,)] += 1

@@ -158,6 +158,7 @@ def combine(statuses: list[RegionStatus]) -> RegionStatus:
         requests_per_s=round(rps, 3),
         error_rate=round(min(1.0, error_rate), 4),
         ttft_p99_s=max(ttfts) if ttfts else None,
+        spilled_per_s=round(sum(s.load.spilled_per_s for s in ordered), 3),
     )
     endpoints = list(fresh.endpoints)
     for s in reversed(ordered):

@@ -132,6 +132,7 @@ def _snapshot(status: RegionStatus) -> failover.StatusSnapshot:
         queue_depth=status.load.queue_depth,
         in_flight=status.load.in_flight,
         models=status.models,
+        spilled_per_s=status.load.spilled_per_s,
     )
 
 

@@ -20,6 +20,7 @@ class WindowLoad:
     error_rate: float  # 0..1: 5xx share of the requests finished in the window
     ttft_p99_s: float | None  # None: no streamed request in the window
     span_s: float  # how much time the window actually covers
+    spilled_per_s: float = 0.0  # requests another region served for this one (spill-over)
 
 
 class LoadWindow:
@@ -45,10 +46,12 @@ class LoadWindow:
         span_s = max(t1 - t0, 1e-9)
         finished = max(0, last.finished - first.finished)
         failed = max(0, last.failed - first.failed)
+        spilled = max(0, last.spilled - first.spilled)
         ttft = [max(0, b - a) for a, b in zip(first.ttft, last.ttft, strict=True)]
         return WindowLoad(
             requests_per_s=finished / span_s,
             error_rate=min(1.0, failed / finished) if finished else 0.0,
             ttft_p99_s=quantile(ttft, 0.99),
             span_s=t1 - t0,
+            spilled_per_s=spilled / span_s,
         )

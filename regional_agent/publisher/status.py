@@ -35,6 +35,7 @@ _LOAD_STEPS: dict[str, float] = {
     "requests_per_s": 1.0,
     "error_rate": 0.02,
     "ttft_p99_s": 0.05,
+    "spilled_per_s": 0.1,
 }
 _STRUCTURE_EXCLUDES = {"load", "updated_at", "agent_id"}
 
@@ -88,6 +89,7 @@ def observe(
         requests_per_s=round(window.requests_per_s, 3),
         error_rate=round(window.error_rate, 4),
         ttft_p99_s=None if window.ttft_p99_s is None else round(window.ttft_p99_s, 4),
+        spilled_per_s=round(window.spilled_per_s, 3),
     )
     models = dict.fromkeys(offered, 0.0)
     for view in serving:

@@ -23,6 +23,8 @@ import meridian_etcd
 from controlplane.reconcile import windows
 from controlplane.settings import ControllerSettings
 from meridian_service.clock import WallClock
+from meridian_wire import keys
+from meridian_wire.models import Event
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
 from tests.support.agent import AgentFactory, AgentHandle, metric
@@ -147,7 +149,9 @@ async def _chat(
         return r.status, dict(r.headers), await r.text()
 
 
-async def test_eu_west_saturated_on_a_spills_to_eu_central_with_no_429(fleet: Fleet) -> None:
+async def test_eu_west_saturated_on_a_spills_to_eu_central_with_no_429(
+    fleet: Fleet, store: meridian_etcd.Store
+) -> None:
     west, central, east = (fleet.agents[r] for r in ("eu-west", "eu-central", "us-east"))
     async with aiohttp.ClientSession() as session:
         answers = await asyncio.gather(*(_chat(session, west.url, "A") for _ in range(8)))
@@ -179,6 +183,21 @@ async def test_eu_west_saturated_on_a_spills_to_eu_central_with_no_429(fleet: Fl
     )
     assert await metric(east.url, "meridian_agent_spilled_in_total") == 0
     assert await metric(west.url, "meridian_agent_requests_total", status="429") == 0
+    # eu-west's status says it spills, and the controller's window pass makes it an event
+    for _ in range(100):
+        events = [
+            Event.model_validate_json(e.value)
+            for e in (await store.get_prefix(keys.EVENTS)).entries
+        ]
+        spills = [e for e in events if e.kind == "spill" and e.region == "eu-west"]
+        if spills:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("no spill event for eu-west")
+    assert spills[0].data["spilling"] is True
+    assert spills[0].reason.startswith("spilling ")
+    assert not [e for e in events if e.kind == "spill" and e.region != "eu-west"]
 
 
 async def test_without_spill_over_the_same_burst_gets_429s(

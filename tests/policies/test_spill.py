@@ -3,6 +3,7 @@ not serve the model, one out of service or over the latency budget; best first."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hypothesis import given, settings
@@ -197,3 +198,57 @@ def test_a_target_is_always_allowed_and_every_allowed_region_is_a_target(
     assert scores == sorted(scores)
     for t in choice.targets:
         assert needs <= by_name[t.region].residency
+
+
+def test_the_controller_says_once_when_a_region_starts_and_stops_spilling() -> None:
+    from policies import failover
+    from policies.failover import (
+        FailoverConfig,
+        FleetState,
+        Observation,
+        RegionId,
+        RegionInfo,
+        StatusSnapshot,
+        Topology,
+    )
+
+    topology = Topology.build(
+        [
+            RegionInfo(region=RegionId("eu-west"), geo="eu"),
+            RegionInfo(region=RegionId("x"), geo="eu"),
+        ]
+    )
+
+    def window(state: FleetState, spilled: float, i: int) -> tuple[FleetState, list[str]]:
+        status = StatusSnapshot(
+            nodes_healthy=1, nodes_total=1, capacity=1.0, error_rate=0.0, ttft_p99_s=0.5,
+            spilled_per_s=spilled,
+        )  # fmt: skip
+        observations = [
+            Observation(region=RegionId(r), alive=True, status=status, status_age_s=1.0)
+            if r == "eu-west"
+            else Observation(
+                region=RegionId(r),
+                alive=True,
+                status=dataclasses.replace(status, spilled_per_s=0),
+                status_age_s=1.0,
+            )
+            for r in topology.regions
+        ]
+        result = failover.plan(
+            state, observations, topology=topology, config=FailoverConfig(), now=1e9 + 30 * i
+        )
+        return result.state, [e.reason for e in result.events if e.kind == "spill"]
+
+    state, said = window(FleetState(), 0.0, 0)
+    assert said == []
+    state, said = window(state, 2.5, 1)
+    assert said == [
+        "spilling 2.5 requests/s to other regions: its queue is over spill.queue_depth, full, "
+        "or lacks the model"
+    ]
+    state, said = window(state, 3.0, 2)
+    assert said == []  # still spilling: said once
+    assert state.verdicts[RegionId("eu-west")].spilling
+    state, said = window(state, 0.0, 3)
+    assert said == ["stopped spilling to other regions"]
