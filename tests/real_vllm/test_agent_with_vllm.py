@@ -253,6 +253,7 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
         # doomed node's requests all finish while the kill waited for the survivor's first
         # tokens); such a try lets its requests finish and starts again.
         on_doomed: list[int] = []
+        wholes_on_doomed = 0
         for _ in range(3):
             started[:] = [asyncio.Event() for _ in range(4)]
             outcomes.clear()
@@ -281,6 +282,10 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
             # running, each past its first token, and the node is in the pool
             assert nodes[doomed.url]["health"]["state"] == "healthy", nodes
             if not any(streams[i].done() for i in on_doomed):
+                # whole requests still on the doomed node at the kill: they fail before their
+                # first byte and are retried, which is what errors_total counts (on a slow host
+                # they may all have finished before the kill: then there is nothing to count)
+                wholes_on_doomed = nodes[doomed.url]["in_flight"] - len(on_doomed)
                 break
             await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
         else:
@@ -296,7 +301,7 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
     # the doomed node's two streams were mid-stream at the kill
     assert outcomes.count("clean-error") == len(on_doomed), outcomes
     nodes = await _admin_nodes(handle)
-    assert nodes[doomed.url]["errors_total"] >= 1
+    assert nodes[doomed.url]["errors_total"] >= (1 if wholes_on_doomed > 0 else 0)
     assert all(n["in_flight"] == 0 for n in nodes.values())
 
 
