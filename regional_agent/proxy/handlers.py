@@ -659,8 +659,7 @@ async def _spill(
         try:
             response = await _exchange(request, agent, parsed, url, forward, hop, agent.clock.now())
         except UpstreamError as exc:
-            refused = isinstance(exc, UpstreamStatus) and exc.http_status == 404
-            if not _node_at_fault(exc) and not refused:  # the client's mistake, wherever it goes
+            if not _region_at_fault(exc):  # the client's mistake, wherever it goes
                 agent.instruments.count_spill(to=target.region, cause=cause, outcome="served")
                 return _relay_error(exc), hop.label
             agent.instruments.count_spill(to=target.region, cause=cause, outcome="failed")
@@ -675,6 +674,12 @@ async def _spill(
         agent.instruments.count_spill(to=target.region, cause=cause, outcome="served")
         return response, hop.label
     return None
+
+
+def _region_at_fault(exc: UpstreamError) -> bool:
+    """A spill target is at fault as a node is, and also for a 404: the plan said it serves
+    the model, and it does not (the plan was stale)."""
+    return _node_at_fault(exc) or (isinstance(exc, UpstreamStatus) and exc.http_status == 404)
 
 
 def _node_at_fault(exc: UpstreamError) -> bool:
@@ -809,7 +814,7 @@ async def _exchange(
                 response.headers[SPILLED_TO] = hop.region
             return response
     except UpstreamError as exc:
-        if _node_at_fault(exc) or hop.region is not None:
+        if _node_at_fault(exc) if hop.region is None else _region_at_fault(exc):
             hop.record(agent, ok=False, ttft_s=None)
         raise
 
