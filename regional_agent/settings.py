@@ -1085,15 +1085,23 @@ class AutoscalerSettings(_Group):
     )
     command: list[str] = Field(
         default_factory=list,
-        description="command actuator: argv run when the floor changes; {floor}, {current} and "
-        "{region} are replaced",
+        description="command actuator: argv run when the floor changes; {floor}, {current}, "
+        "{region} and {model_floors} (A=0.5,B=2) are replaced",
     )
     command_timeout_s: float = Field(60.0, gt=0, description="command actuator: time limit (s)")
     profile: str = Field(
         "h100-llama3-8b", description="simulator actuator: meridian-sim profile of new nodes"
     )
     model: str | None = Field(
-        None, description="simulator actuator: model the new nodes serve; default the profile's"
+        None,
+        description="simulator actuator: model the nodes it starts for the region's floor serve; "
+        "default the profile's (a model short of its own floor gets nodes of that model)",
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="dry-run, command, webhook and kubernetes actuators: the models the nodes they "
+        "bring serve; a per-model floor of one of these raises the floor handed over, one of "
+        "another model is logged as unmet; empty: they serve every model",
     )
     time_scale: float = Field(1.0, gt=0, description="simulator actuator: --time-scale of nodes")
     node_weight: float = Field(

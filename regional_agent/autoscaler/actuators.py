@@ -1,7 +1,8 @@
 """Actuators: what the autoscaler calls to bring the region's capacity up to a floor.
 
 Every actuator answers :meth:`Actuator.ensure` (called every ``autoscaler.interval_s`` and when
-the floor changes, with the floor and the region's healthy capacity) and :meth:`Actuator.close`
+the floor changes, with the floor, the region's healthy capacity and each model's floor and
+capacity, ``plan.ModelNeed``) and :meth:`Actuator.close`
 (when the agent stops).  ``ensure`` is idempotent: called again with the same numbers, it does
 nothing new.  It raises ``ActuatorError`` when it could not act; the autoscaler logs that once
 and retries with backoff.
@@ -9,8 +10,13 @@ and retries with backoff.
 =========  =================================================================================
 dry-run    logs what it would do, once per change
 command    runs ``autoscaler.command`` when the floor changes (a cloud autoscaler's hook);
-           ``{floor}``, ``{current}`` and ``{region}`` in its arguments are replaced
-simulator  starts ``meridian-sim node`` processes and adds them to the pool (simulator.py)
+           ``{floor}``, ``{current}``, ``{region}`` and ``{model_floors}`` (``A=0.5,B=2``)
+           in its arguments are replaced
+simulator  starts ``meridian-sim node`` processes and adds them to the pool (simulator.py),
+           of the model that is short when one is (``per_model``)
+
+An actuator with ``per_model`` false brings one kind of node; the autoscaler raises the floor it
+hands it to cover the shortfall of the models those nodes serve (``plan.raised``).
 =========  =================================================================================
 """
 
@@ -22,6 +28,7 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from regional_agent.autoscaler.plan import ModelNeed
 from regional_agent.errors import ActuatorError
 
 log = logging.getLogger(__name__)
@@ -29,9 +36,13 @@ log = logging.getLogger(__name__)
 
 class Actuator(Protocol):
     name: str
+    per_model: bool  # it brings nodes of the model that is short; else one kind of node
 
-    async def ensure(self, *, floor: float, current: float) -> None:
-        """Act so that the region's healthy capacity becomes at least ``floor``."""
+    async def ensure(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> None:
+        """Act so that the region's healthy capacity becomes at least ``floor`` (and, for a
+        ``per_model`` actuator, each model's at least its floor)."""
         ...
 
     async def close(self) -> None:
@@ -47,16 +58,28 @@ class DryRun:
     """Logs what it would do; changes nothing."""
 
     name = "dry-run"
+    per_model = False
 
     def __init__(self) -> None:
-        self._said: tuple[float, float] | None = None
+        self._said: tuple[object, ...] | None = None
 
-    async def ensure(self, *, floor: float, current: float) -> None:
+    async def ensure(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> None:
         need = max(0.0, floor - current)
-        said = (floor, round(need, 6))
+        said = (floor, round(need, 6), models)
         if said == self._said:
             return
         self._said = said
+        for n in models:
+            if n.short > 0:
+                log.info(
+                    "autoscaler dry run: model %s short by %g (floor=%g current=%g)",
+                    n.model,
+                    n.short,
+                    n.floor,
+                    n.current,
+                )
         if need > 0:
             log.info(
                 "autoscaler dry run: would add capacity=%g to reach floor=%g (current=%g)",
@@ -80,6 +103,7 @@ class Command:
     over; anything else is retried."""
 
     name = "command"
+    per_model = False
 
     def __init__(self, *, argv: Sequence[str], timeout_s: float, region: str | None) -> None:
         if not argv:
@@ -87,11 +111,18 @@ class Command:
         self._argv = list(argv)
         self._timeout_s = timeout_s
         self._region = region or ""
-        self.applied = 0.0  # the floor the last successful run handed over
+        self.applied: tuple[float, str] = (0.0, "")  # what the last successful run handed over
         self.runs = 0
 
-    def argv(self, *, floor: float, current: float) -> list[str]:
-        values = {"{floor}": f"{floor:g}", "{current}": f"{current:g}", "{region}": self._region}
+    def argv(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> list[str]:
+        values = {
+            "{floor}": f"{floor:g}",
+            "{current}": f"{current:g}",
+            "{region}": self._region,
+            "{model_floors}": model_floors(models),
+        }
         out = []
         for arg in self._argv:
             for placeholder, value in values.items():
@@ -99,10 +130,13 @@ class Command:
             out.append(arg)
         return out
 
-    async def ensure(self, *, floor: float, current: float) -> None:
-        if floor == self.applied:
+    async def ensure(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> None:
+        asked = (floor, model_floors(models))
+        if asked == self.applied:
             return
-        argv = self.argv(floor=floor, current=current)
+        argv = self.argv(floor=floor, current=current, models=models)
         self.runs += 1
         try:
             process = await asyncio.create_subprocess_exec(
@@ -131,19 +165,26 @@ class Command:
                 f"{tail or '(no output)'}"
             )
         log.info(
-            "autoscaler command ran floor=%g current=%g previous_floor=%g output=%r",
+            "autoscaler command ran floor=%g model_floors=%s current=%g previous_floor=%g "
+            "output=%r",
             floor,
+            asked[1] or "none",
             current,
-            self.applied,
+            self.applied[0],
             tail[-200:],
         )
-        self.applied = floor
+        self.applied = asked
 
     async def close(self) -> None:
         return None
 
     def pending(self) -> int:
         return 0
+
+
+def model_floors(models: tuple[ModelNeed, ...]) -> str:
+    """``A=0.5,B=2``: each model's floor, in name order (empty when none)."""
+    return ",".join(f"{n.model}={n.floor:g}" for n in models)
 
 
 async def _kill(process: asyncio.subprocess.Process) -> None:

@@ -7,8 +7,16 @@ region's own load raises it: every tick the loop measures the serving nodes, the
 use (from the scrapes), the requests waiting (the central queue and the engines') and the
 arrival rate, asks ``policies.autoscaling.decide`` for a node count, and hands the actuator the
 larger of the controller's floor and that count times ``autoscaler.node_weight``.  Each decision
-that changes the count is logged with its reason.  An actuator that fails is logged once and
-retried with backoff; the agent keeps serving either way.
+that changes the count is logged with its reason.
+
+The controller's per-model floors (``model_floors``: what the region keeps warm of each model
+for the regions it backs up) go to the actuator with each model's serving capacity.  One that
+brings one kind of node gets the floor raised by the largest shortfall among the models its
+nodes serve (``autoscaler.models``; every model when empty); a model they do not serve is
+logged as unmet once.  The simulator actuator starts nodes of the short model itself.
+
+An actuator that fails is logged once and retried with backoff; the agent keeps serving either
+way.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 
 from meridian_service.clock import Clock
 from policies import autoscaling
+from regional_agent.autoscaler import plan
 from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
 from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
@@ -57,6 +66,8 @@ class Autoscaler:
             base_s=settings.interval_s, max_s=max(_RETRY_MAX_S, settings.interval_s), rng=rng
         )
         self.floor = 0.0  # the controller's
+        self.model_floors: dict[str, float] = {}  # the controller's, per model
+        self.unmet: tuple[str, ...] = ()  # models short that the actuator's nodes do not serve
         self._wake = asyncio.Event()
         self.failing: str | None = None  # the error the last ensure() met, if it failed
         load = settings.load
@@ -72,16 +83,18 @@ class Autoscaler:
         self.acting = True
         self.actor: str | None = None  # the replica that does, when another one
 
-    def set_floor(self, floor: float) -> None:
-        if floor != self.floor:
+    def set_floor(self, floor: float, model_floors: dict[str, float] | None = None) -> None:
+        models = {m: f for m, f in (model_floors or {}).items() if f > 0}
+        if floor != self.floor or models != self.model_floors:
             log.info(
-                "capacity floor changed from=%g to=%g actuator=%s current=%g",
+                "capacity floor changed from=%g to=%g model_floors=%s actuator=%s current=%g",
                 self.floor,
                 floor,
+                ",".join(f"{m}={f:g}" for m, f in sorted(models.items())) or "none",
                 self.actuator.name,
                 self.current(),
             )
-            self.floor = floor
+            self.floor, self.model_floors = floor, models
             self._wake.set()
 
     def set_acting(self, acting: bool, actor: str | None) -> None:
@@ -98,6 +111,20 @@ class Autoscaler:
     def current(self) -> float:
         """The region's healthy capacity: the weights of active, healthy nodes summed."""
         return sum(v.weight for v in self._pool.serving(now=self._clock.now()))
+
+    def current_by_model(self) -> dict[str, float]:
+        """Each model's healthy capacity: the weights of active, healthy nodes serving it."""
+        out: dict[str, float] = {}
+        for v in self._pool.serving(now=self._clock.now()):
+            for model in v.models:
+                out[model] = out.get(model, 0.0) + v.weight
+        return out
+
+    def needs(self) -> tuple[plan.ModelNeed, ...]:
+        """Each model the controller asks a floor of, with its capacity now."""
+        if not self.model_floors:
+            return ()
+        return plan.needs(self.model_floors, self.current_by_model())
 
     def signals(self) -> autoscaling.Signals:
         """The region's load now, as the load policy reads it."""
@@ -188,6 +215,11 @@ class Autoscaler:
             "actor": self.actor,
             "policy": "off" if self._load is None else self._load.mode,
             "floor": self.floor,
+            "model_floors": [
+                {"model": n.model, "floor": n.floor, "current": n.current, "short": n.short}
+                for n in self.needs()
+            ],
+            "unmet_models": list(self.unmet),
             "target": self.target,
             "capacity": self.current(),
             "pending": self.actuator.pending(),
@@ -229,8 +261,17 @@ class Autoscaler:
                         await self._wake.wait()
                 continue
             try:
-                floor = self.target = self.effective_floor()
-                await self.actuator.ensure(floor=floor, current=self.current())
+                floor, current, models = self.effective_floor(), self.current(), self.needs()
+                if not self.actuator.per_model:
+                    floor, unmet = plan.raised(
+                        floor=floor,
+                        current=current,
+                        models=models,
+                        serves=frozenset(self._settings.models),
+                    )
+                    self._say_unmet(unmet, models)
+                self.target = floor
+                await self.actuator.ensure(floor=floor, current=current, models=models)
             except ActuatorError as exc:
                 if self.failing is None:
                     log.warning(
@@ -251,6 +292,22 @@ class Autoscaler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay_s):
                     await self._wake.wait()
+
+    def _say_unmet(self, unmet: tuple[str, ...], models: tuple[plan.ModelNeed, ...]) -> None:
+        if unmet == self.unmet:
+            return
+        self.unmet = unmet
+        for n in models:
+            if n.model in unmet:
+                log.warning(
+                    "autoscaler cannot meet model %s's floor=%g (current=%g): the nodes the %s "
+                    "actuator brings serve %s (autoscaler.models)",
+                    n.model,
+                    n.floor,
+                    n.current,
+                    self.actuator.name,
+                    ", ".join(self._settings.models),
+                )
 
     async def close(self) -> None:
         await self.actuator.close()

@@ -1,8 +1,10 @@
 """Actuators that hand the count to someone else over HTTP: a webhook, and Kubernetes.
 
 =========== ===================================================================================
-webhook     POSTs ``{"region", "floor", "current", "replicas", "sent_at"}`` as JSON to
-            ``autoscaler.webhook_url`` when the count changes, signed: ``X-Meridian-Signature:
+webhook     POSTs ``{"region", "floor", "current", "replicas", "models", "sent_at"}`` as JSON
+            to ``autoscaler.webhook_url`` when the count or a model's floor changes (``models``:
+            each model's ``{"floor", "current"}``, for a receiver that runs a pool per model),
+            signed: ``X-Meridian-Signature:
             sha256=HEX``, the HMAC-SHA256 of ``"{X-Meridian-Timestamp}.{body}"`` with the secret
             in ``autoscaler.webhook_secret_file`` (the receiver recomputes it and refuses old
             timestamps).  Any 2xx is accepted; anything else is retried by the loop with backoff.
@@ -15,7 +17,8 @@ kubernetes  reads and patches the ``scale`` subresource of the vLLM Deployment o
             fix (the RBAC it needs is in docs/autoscaling.md).
 =========== ===================================================================================
 
-Both count replicas as ``ceil(floor / autoscaler.node_weight)``.
+Both count replicas as ``ceil(floor / autoscaler.node_weight)``, of the floor the autoscaler
+raised to cover the shortfall of the models their nodes serve (``autoscaler.models``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from regional_agent.autoscaler.plan import ModelNeed
 from regional_agent.errors import ActuatorError
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,7 @@ def _read(path: Path, what: str) -> str:
 
 class Webhook:
     name = "webhook"
+    per_model = False
 
     def __init__(
         self,
@@ -76,11 +81,17 @@ class Webhook:
         self._node_weight = node_weight
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
         self.applied: int | None = None  # the replicas the last accepted call handed over
+        self._models: tuple[tuple[str, float], ...] = ()  # and the model floors
         self.calls = 0
 
-    async def ensure(self, *, floor: float, current: float) -> None:
+    async def ensure(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> None:
         replicas = replicas_for(floor, self._node_weight)
-        if replicas == self.applied or (self.applied is None and floor == 0):
+        floors = tuple((n.model, n.floor) for n in models)
+        if (replicas == self.applied and floors == self._models) or (
+            self.applied is None and floor == 0 and not floors
+        ):
             return
         secret = _read(self._secret_file, "autoscaler.webhook_secret_file").encode()
         payload = {
@@ -88,6 +99,7 @@ class Webhook:
             "floor": floor,
             "current": current,
             "replicas": replicas,
+            "models": {n.model: {"floor": n.floor, "current": n.current} for n in models},
             "sent_at": time.time(),
         }
         body = json.dumps(payload, separators=(",", ":")).encode()
@@ -114,7 +126,7 @@ class Webhook:
             current,
             self.applied,
         )
-        self.applied = replicas
+        self.applied, self._models = replicas, floors
 
     def pending(self) -> int:
         return 0
@@ -125,6 +137,7 @@ class Webhook:
 
 class Kubernetes:
     name = "kubernetes"
+    per_model = False
 
     def __init__(
         self,
@@ -200,7 +213,9 @@ class Kubernetes:
                 f"kubernetes get {self._where}/scale: not a Scale object: {r.text[:300]}"
             ) from exc
 
-    async def ensure(self, *, floor: float, current: float) -> None:
+    async def ensure(
+        self, *, floor: float, current: float, models: tuple[ModelNeed, ...] = ()
+    ) -> None:
         wanted = replicas_for(floor, self._node_weight)
         if floor == 0 and self.applied is None:
             return  # no floor read yet, no load policy: nothing asked

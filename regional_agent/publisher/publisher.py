@@ -154,7 +154,7 @@ class Publisher:
         instruments: Instruments,
         clock: Clock,
         rng: random.Random,
-        on_floor: Callable[[float], None] | None = None,
+        on_floor: Callable[[float, dict[str, float]], None] | None = None,
         wall: Callable[[], float] = time.time,
         tables: GroupTables | None = None,
         on_replicas: Callable[[int, int], None] | None = None,
@@ -491,7 +491,7 @@ class Publisher:
                 desired.admin,
             )
         if self._on_floor is not None:
-            self._on_floor(desired.capacity_floor)
+            self._on_floor(desired.capacity_floor, dict(desired.model_floors))
 
     # -- replicas ----------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meridian_wire import keys
 from meridian_wire.models import RegionStatus
@@ -101,6 +103,107 @@ async def test_desired_floor_starts_sim_nodes_that_serve_then_scale_down_to_own_
             assert "autoscaler draining" in caplog.text and "autoscaler stopped" in caplog.text
     finally:
         await starter.close()
+
+
+async def test_a_model_short_of_its_floor_gets_nodes_of_that_model_that_serve_it(
+    etcd: EtcdServer, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The region serves tiny-model; the controller asks it to keep 1 of "other" warm (it backs
+    up a region that serves it): a node serving "other" starts, serves "other" through the
+    agent, is published, also meets the region floor, and stops when the floor goes."""
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    own_url = await sim_node(profile_name="cpu-tiny")
+    starter = AgentStarter()
+    try:
+        handle = await starter(
+            [own_url], policy="round_robin", region=region(etcd), autoscaler=_simulator()
+        )
+        actuator, pool = _actuator(handle), handle.edge.pool
+        async with publishing.client(etcd) as c:
+            await eventually(lambda: status(c), what="the first status")
+            floors = {"capacity_floor": 2, "model_floors": {"other": 1}, "generation": 1}
+            await put_desired(c, floors)
+            await eventually(
+                lambda: pool.models() == {MODEL, "other"}, what="a node of other", timeout_s=60
+            )
+            assert [s.model for s in actuator.started.values()] == ["other"]
+
+            async def published() -> RegionStatus | None:
+                got = await status(c)
+                return got[0] if got and got[0].models.get("other") == 1.0 else None
+
+            st_ = await eventually(published, what="other's capacity in the status")
+            assert st_.models == {MODEL: 1.0, "other": 1.0} and st_.capacity == 2
+            await asyncio.sleep(1.0)  # a few ticks: the "other" node also met the region floor
+            assert len(actuator.started) == 1
+            assert handle.autoscaler is not None
+            shown = handle.autoscaler.describe()["model_floors"]
+            assert shown == [{"model": "other", "floor": 1.0, "current": 1.0, "short": 0.0}]
+
+            body = {"model": "other", "prompt": "hello there", "max_tokens": 4}
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"{handle.url}/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200, await r.text()
+                assert (await r.json())["model"] == "other"
+
+            await put_desired(c, {"capacity_floor": 1, "generation": 2})
+            await eventually(
+                lambda: not actuator.started, what="the other node stopped", timeout_s=60
+            )
+            assert pool.models() == {MODEL}
+            assert "model=other" in caplog.text
+    finally:
+        await starter.close()
+
+
+async def test_a_node_is_not_stopped_while_its_model_needs_it(
+    start_agent: AgentFactory, sim_node: NodeFactory
+) -> None:
+    """The region floor drops to 0 but "other" still has a floor of 1: its node stays."""
+    handle = await start_agent(
+        [await sim_node(profile_name="cpu-tiny")], autoscaler=_simulator(scale_down_delay_s=0.2)
+    )
+    scaler, actuator = handle.autoscaler, _actuator(handle)
+    assert scaler is not None
+    scaler.set_floor(0, {"other": 1})
+    await eventually(lambda: len(actuator.started) == 1, what="a node of other", timeout_s=60)
+    await eventually(lambda: scaler.needs() and scaler.needs()[0].short == 0, what="other met")
+    await asyncio.sleep(1.5)  # many times the delay: the region floor alone would stop it
+    assert len(actuator.started) == 1
+    scaler.set_floor(0, {})
+    await eventually(lambda: not actuator.started, what="stopped once not needed", timeout_s=60)
+
+
+async def test_an_actuator_of_one_kind_of_node_gets_the_floor_raised_for_its_models(
+    start_agent: AgentFactory, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dry-run actuator whose nodes serve tiny-model: tiny-model's floor of 3 raises the
+    region's floor of 0.5 to 3 (1 serving + 2 short); "other", which its nodes do not serve, is
+    said once as unmet."""
+    caplog.set_level(logging.INFO, logger=AUTOSCALER_LOG)
+    handle = await start_agent(
+        [await sim_node(profile_name="cpu-tiny")],
+        autoscaler={"actuator": "dry-run", "interval_s": 0.05, "models": [MODEL]},
+    )
+    scaler = handle.autoscaler
+    assert scaler is not None
+    await eventually(lambda: scaler.current() == 1, what="the node serving")
+    scaler.set_floor(0.5, {MODEL: 3, "other": 1})
+    await eventually(lambda: scaler.target == 3, what="the raised floor")
+    assert scaler.unmet == ("other",)
+    await asyncio.sleep(0.3)
+    assert caplog.text.count("cannot meet model other's floor=1") == 1
+    assert "would add capacity=2 to reach floor=3" in caplog.text
+    assert f"model {MODEL} short by 2 (floor=3 current=1)" in caplog.text
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{handle.url}/admin/autoscaler", headers=ADMIN) as r,
+    ):
+        shown = await r.json()
+    assert shown["unmet_models"] == ["other"] and shown["target"] == 3
+    assert [m["model"] for m in shown["model_floors"]] == ["other", MODEL]
 
 
 async def test_autoscaler_respects_max_nodes_and_stops_its_nodes_with_the_agent(
@@ -214,6 +317,22 @@ async def test_command_runs_with_the_floor_when_it_changes(tmp_path: Path) -> No
     assert command.runs == 2
 
 
+async def test_command_runs_again_when_a_model_floor_changes(tmp_path: Path) -> None:
+    out = tmp_path / "calls.txt"
+    script = "import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + '\\n')"
+    command = Command(
+        argv=[sys.executable, "-c", script, str(out), "{floor}", "models={model_floors}"],
+        timeout_s=30,
+        region="eu-west",
+    )
+    a = plan.ModelNeed(model="A", floor=0.5, current=0.0)
+    b = plan.ModelNeed(model="B", floor=2.0, current=1.0)
+    await command.ensure(floor=2, current=1, models=(a, b))
+    await command.ensure(floor=2, current=1, models=(a, b))  # the same: not again
+    await command.ensure(floor=2, current=1, models=(a,))
+    assert out.read_text().splitlines() == ["2 models=A=0.5,B=2", "2 models=A=0.5"]
+
+
 async def test_a_failing_command_is_retried_and_reported_once(
     start_agent: AgentFactory, sim_node: NodeFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -294,6 +413,39 @@ def test_plan_scales_up_fast_and_down_slowly(
     assert step.reason
 
 
+_NEED = st.builds(
+    plan.ModelNeed,
+    model=st.sampled_from(["A", "B", "C"]),
+    floor=st.floats(0, 8, allow_nan=False),
+    current=st.floats(0, 8, allow_nan=False),
+)
+
+
+@given(
+    floor=st.floats(0, 16, allow_nan=False),
+    extra=st.floats(0, 8, allow_nan=False),
+    models=st.lists(_NEED, max_size=3, unique_by=lambda n: n.model).map(tuple),
+    serves=st.frozensets(st.sampled_from(["A", "B", "C"])),
+)
+def test_the_raised_floor_covers_every_model_the_nodes_serve_and_names_the_rest(
+    floor: float,
+    extra: float,
+    models: tuple[plan.ModelNeed, ...],
+    serves: frozenset[str],
+) -> None:
+    current = max((n.current for n in models), default=0.0) + extra  # a node may serve several
+    raised, unmet = plan.raised(floor=floor, current=current, models=models, serves=serves)
+    assert raised >= floor
+    added = max(0.0, raised - current)
+    for n in models:
+        if not serves or n.model in serves:
+            assert n.current + added >= n.floor - plan.EPSILON  # new nodes serve it
+        else:
+            assert (n.model in unmet) == (n.short > plan.EPSILON)
+    if all(n.short <= plan.EPSILON for n in models):
+        assert raised == floor and not unmet
+
+
 async def test_set_floor_wakes_the_loop(start_agent: AgentFactory, sim_node: NodeFactory) -> None:
     handle = await start_agent(
         [await sim_node(profile_name="cpu-tiny")],
@@ -304,7 +456,7 @@ async def test_set_floor_wakes_the_loop(start_agent: AgentFactory, sim_node: Nod
     await asyncio.sleep(0.2)
     scaler.set_floor(5)
     await eventually(
-        lambda: scaler.actuator._said == (5, 4.0),  # type: ignore[attr-defined]
+        lambda: scaler.actuator._said == (5, 4.0, ()),  # type: ignore[attr-defined]
         what="the actuator called at once, not an hour later",
     )
 

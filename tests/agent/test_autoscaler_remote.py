@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from regional_agent.autoscaler import Kubernetes, Webhook
+from regional_agent.autoscaler.plan import ModelNeed
 from regional_agent.autoscaler.remote import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from regional_agent.errors import ActuatorError
 from tests.agent.publishing import eventually
@@ -337,6 +338,25 @@ async def test_the_webhook_posts_a_signed_count_once_per_change(hook: Hook, tmp_
         assert hook.bad_signatures == 1
     finally:
         await actuator.close()
+
+
+async def test_the_webhook_says_each_models_floor_and_posts_again_when_one_changes(
+    hook: Hook, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-key")
+    actuator = Webhook(url=hook.url, secret_file=secret, timeout_s=5.0, region="eu-west",
+                       node_weight=1.0)  # fmt: skip
+    b = ModelNeed(model="B", floor=2.0, current=1.0)
+    b_met = ModelNeed(model="B", floor=2.0, current=2.0)
+    try:
+        await actuator.ensure(floor=0.0, current=1.0, models=(b,))  # a model floor alone
+        await actuator.ensure(floor=0.0, current=1.0, models=(b,))  # the same: not again
+        await actuator.ensure(floor=0.0, current=2.0, models=(b_met,))  # only capacity changed
+        await actuator.ensure(floor=0.0, current=2.0, models=())  # B's floor gone
+    finally:
+        await actuator.close()
+    assert [s["models"] for s in hook.seen] == [{"B": {"floor": 2.0, "current": 1.0}}, {}]
 
 
 async def test_the_agent_retries_a_failing_webhook_with_backoff(

@@ -151,3 +151,57 @@ async def test_eu_west_failing_moves_a_to_eu_central_and_b_nowhere_outside_the_e
     # its dead nodes' models are published with no capacity: not counted, said once each
     ignored = sorted(e.data["model"] for e in west_events if e.data.get("ignored"))
     assert ignored == ["A", "B"]
+
+
+async def test_a_backup_starts_nodes_of_the_model_it_keeps_warm(
+    store: meridian_etcd.Store,
+    etcd: EtcdServer,
+    sim_node: NodeFactory,
+    start_agent: AgentFactory,
+) -> None:
+    """eu-west serves A on 1 node and B on 3; eu-central, its backup for both, A and B on one
+    each.  The controller asks eu-central to keep half of each warm: A 0.5 (met), B 1.5 (short
+    by 0.5), and a region floor of 2 (met).  A region floor alone would start nothing; eu-central's
+    autoscaler starts one node serving B, and the controller sees B's capacity grow to 2."""
+    fleet_models = {"eu-west": ["A", "B", "B", "B"], "eu-central": ["A", "B"]}
+    agents = {}
+    for region, models in fleet_models.items():
+        urls = [await sim_node(model=m, seed=i) for i, m in enumerate(models)]
+        autoscaler = (
+            {"actuator": "simulator", "profile": "cpu-tiny", "time_scale": 20.0,
+             "max_nodes": 3, "interval_s": 0.2, "scale_down_delay_s": 3600}
+            if region == "eu-central"
+            else {}
+        )  # fmt: skip
+        agents[region] = await start_agent(
+            urls,
+            region=_region(etcd, region, "eu", ["eu"]),
+            health={"probe_interval_s": 0.2, "probe_timeout_s": 0.5},
+            autoscaler=autoscaler,
+        )
+    settings = ControllerSettings(
+        etcd={"endpoints": [etcd.url]},
+        failover={"window_s": WINDOW_S, "strikes": 2, "min_hold_s": 0.0,
+                  "agent_heartbeat_s": 1.0, "status_stale_s": 3.0},
+        regions=[{"id": r, "geo": "eu", "residency": ["eu"]} for r in fleet_models],
+    )  # type: ignore[arg-type]  # fmt: skip
+
+    async def central_models() -> dict[str, float]:
+        view = await fleet.read(store)
+        r = view.regions.get("eu-central")
+        return {} if r is None or r.status is None else r.status.models
+
+    async def b_kept_warm() -> bool:
+        return (await central_models()).get("B") == 2.0
+
+    await _passes_until(store, settings, "eu-central serving B on 2 nodes", b_kept_warm)
+    entry = await store.get(keys.desired("eu-central"))
+    assert entry is not None
+    central = RegionDesired.model_validate_json(entry.value)
+    assert central.model_floors == {"A": 0.5, "B": 1.5} and central.capacity_floor == 2.0
+    assert await central_models() == {"A": 1.0, "B": 2.0}
+    scaler = agents["eu-central"].autoscaler
+    assert scaler is not None
+    started = scaler.actuator.started  # type: ignore[attr-defined]
+    assert [s.model for s in started.values()] == ["B"]  # one node, of the model that was short
+    assert agents["eu-west"].autoscaler is None
