@@ -42,7 +42,7 @@ from policies import prompt
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 
 # Words the simulated model "says"; ids come from the same tokenizer as prompts.
-_WORDS: Final = (
+GENERATED_WORDS: Final = (
     " the",
     " a",
     " model",
@@ -318,7 +318,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._requests: dict[str, _Request] = {}
-        self._word_ids = [prompt.tokenize(w)[0] for w in _WORDS]
+        self._word_ids = [prompt.tokenize(w)[0] for w in GENERATED_WORDS]
 
     # -- state -----------------------------------------------------------------------------
 
@@ -519,8 +519,8 @@ class Engine:
             self._register_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # still prefilling
-            k = self._rng.randrange(len(_WORDS))
-            token_id, text = self._word_ids[k], _WORDS[k]
+            k = self._rng.randrange(len(GENERATED_WORDS))
+            token_id, text = self._word_ids[k], GENERATED_WORDS[k]
             req.output_token_ids.append(token_id)
             self.stats.generation_tokens += 1
             if req.first_token_s is None:

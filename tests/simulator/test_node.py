@@ -193,7 +193,7 @@ async def test_legacy_metric_names_are_a_switch(sim_node: NodeFactory) -> None:
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": -3}', 400, "max_tokens"),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
         ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
-        ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n=1"),
+        ("/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "at least 1"),
         ("/v1/completions", b'{"model": "gpt-5", "prompt": "hi"}', 404, "does not exist"),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": 600}', 400, "maximum context length"),
         ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
