@@ -148,9 +148,9 @@ async def measure(
         edge = app[EDGE]
         started = time.process_time()
         for body in fresh:
-            handlers._parse_body(body, {}, settings, chat=True, prompts=edge.prompts)
+            handlers._parse_body(body, {}, settings, kind="chat", prompts=edge.prompts)
         cpu_ms = (time.process_time() - started) * 1000 / len(fresh)
-        view = handlers._parse_body(bodies[0], {}, settings, chat=True, prompts=edge.prompts).view
+        view = handlers._parse_body(bodies[0], {}, settings, kind="chat", prompts=edge.prompts).view
     finally:
         await ticker.stop()
         await runner.cleanup()

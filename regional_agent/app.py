@@ -44,7 +44,7 @@ from policies.group_routing import GroupPolicy
 from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
 from policies.model import AdminState, NodeId
-from regional_agent import admin, autoscaler
+from regional_agent import admin, autoscaler, request_ids
 from regional_agent.autoscaler import AUTOSCALER
 from regional_agent.discovery import Discovery
 from regional_agent.edge import EDGE, Edge
@@ -64,7 +64,8 @@ from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.prompts import Prompts
 from regional_agent.prompts import load as load_prompts
-from regional_agent.proxy import handlers
+from regional_agent.proxy import endpoints, handlers
+from regional_agent.proxy.endpoints import supported
 from regional_agent.publisher import Publisher
 from regional_agent.publisher.publisher import default_agent_id
 from regional_agent.queue import Dispatcher
@@ -191,7 +192,10 @@ def create_app(
             render_metrics=instruments.render,
             share_interval_s=settings.workers.share_interval_s,
         )
-    middlewares: list[Any] = [_errors] if runtime is None else [_errors, runtime.relay_admin]
+    request_ids.install_log_ids()
+    middlewares: list[Any] = [request_ids.middleware, _errors]
+    if runtime is not None:
+        middlewares.append(runtime.relay_admin)
     app = web.Application(middlewares=middlewares, client_max_size=settings.server.max_body_bytes)
     app[EDGE] = edge
     if runtime is not None:
@@ -242,7 +246,12 @@ def create_app(
     app[_RNG] = random.Random(rng.random())
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    for proxied in endpoints.PROXIED[2:]:  # every other inference endpoint of a vLLM node
+        app.router.add_post(proxied.path, handlers.endpoint(proxied.path, proxied.kind))
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/v1/responses/{response_id}", handlers.stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", handlers.stored_response)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -341,10 +350,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                 f"use {' or '.join(allowed) or 'another path'}"
             )
         elif exc.status == 404:
-            other = AgentError(
-                f"no such path: {request.path}; the agent serves /v1/chat/completions, "
-                "/v1/completions, /v1/models, /health, /ready, /metrics and /admin/..."
-            )
+            other = AgentError(f"no such path: {request.path}; the agent serves {supported()}")
         other.http_status = exc.status
         other.openai_type = "NotFoundError" if exc.status == 404 else "BadRequestError"
         return web.json_response(other.body(), status=exc.status, headers=headers)

@@ -39,6 +39,7 @@ from regional_agent.nodes import NodePool
 from regional_agent.observability import Instruments
 from regional_agent.prompts import Prompts
 from regional_agent.queue import Dispatcher
+from regional_agent.request_ids import ResponseHomes
 from regional_agent.roster import Roster
 from regional_agent.settings import Settings
 from regional_agent.spill import Spill
@@ -68,6 +69,8 @@ class Edge:
     prompts: Prompts = field(default_factory=Prompts)  # the models' tokenizers ([tokenizer])
     kv_events: KvEvents | None = None  # the nodes' KV-event subscriptions ([kv_events])
     spill: Spill | None = None  # other regions to forward to (spill.enabled)
+    # which node made each Responses-API response relayed, for GET /v1/responses/{id}
+    response_homes: ResponseHomes = field(default_factory=ResponseHomes)
     # with several workers: what a sibling sends (workers.runtime.SIBLING_SECRET) in place of
     # the admin token
     sibling_secret: str | None = None

@@ -9,7 +9,7 @@
     ├── Unauthorized                401  admin token missing or wrong
     │   └── InvalidKey              401  data-plane API key missing or wrong
     ├── Forbidden                   403  the API key's tenant may not use the model
-    ├── NotFound                    404  admin: no such node
+    ├── NotFound                    404  admin: no such node; no such stored response
     ├── Conflict                    409  admin: node already exists
     ├── QueueFull                   429  the central queue is at its limit (Retry-After)
     ├── RateLimited                 429  the tenant's RPM or TPM is used up (x-ratelimit-*)

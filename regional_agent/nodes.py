@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from policies import health as health_policy
 from policies.model import AdminState, Health, NodeId, NodeView, NodeViews, Telemetry
@@ -72,6 +72,7 @@ class Node:
     group: str | None = None  # GPU group for the groups policy; None: the node is its own group
     source: str = "static"  # who added it: static, admin, autoscaler, dns:<name> (discovery)
     models: frozenset[str] = frozenset()
+    cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # its /v1/models entries
     admin: AdminState = AdminState.ACTIVE
     drain_started_s: float | None = None
     in_flight: int = 0

@@ -49,6 +49,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -164,14 +165,30 @@ class RequestMetrics:
         self.generated = max(0, self._choices)
 
     def _usage(self, answer: object) -> bool:
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        if not isinstance(usage, dict):
+        usage = usage_of(answer)
+        if usage is None:
             return False
-        prompt_tokens, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
+        generated = usage.get("completion_tokens", usage.get("output_tokens"))
+        if generated is None and type(prompt_tokens) is int:
+            generated = 0  # embeddings, scoring: a prompt and nothing generated
         if type(prompt_tokens) is not int or type(generated) is not int:
             return False  # null (a stream's chunks before the last), or not a count
         self.prompt, self.generated = max(0, prompt_tokens), max(0, generated)
         return True
+
+
+def usage_of(answer: object) -> dict[str, Any] | None:
+    """An answer's (or a stream event's) ``usage``: at the top (chat, completions, embeddings)
+    or in its ``response`` (the Responses API's ``response.completed``) or ``message``
+    (Anthropic's ``message_start``)."""
+    if not isinstance(answer, dict):
+        return None
+    usage = answer.get("usage")
+    for inner in ("response", "message"):
+        if usage is None and isinstance(answer.get(inner), dict):
+            usage = answer[inner].get("usage")
+    return usage if isinstance(usage, dict) else None
 
 
 @dataclass(slots=True)

@@ -99,11 +99,13 @@ class Roster:
         except UpstreamError as exc:
             log.debug("model discovery failed node=%s error=%s", node.node_id, exc.message)
             return
-        ids = frozenset(
-            m["id"]
+        cards = {
+            m["id"]: m
             for m in (data.get("data") if isinstance(data, dict) else None) or []
             if isinstance(m, dict) and isinstance(m.get("id"), str)
-        )
+        }
+        node.cards = cards
+        ids = frozenset(cards)
         if ids != node.models:
             log.info("node models node=%s models=%s", node.node_id, ",".join(sorted(ids)) or "-")
             node.models = ids

@@ -35,13 +35,13 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meridian_service.clock import Clock
 from policies import admission, ratelimit
 from regional_agent.errors import Forbidden, InvalidKey, RateLimited
+from regional_agent.observability import usage_of
 from regional_agent.settings import KeysFile, TenantsSettings, load_keys_file
 
 log = logging.getLogger(__name__)
@@ -399,12 +399,13 @@ class UsageTally:
                 self._generated += 1
 
     def _take_usage(self, event: object) -> bool:
-        usage = event.get("usage") if isinstance(event, dict) else None
-        if not isinstance(usage, Mapping):
+        usage = usage_of(event)
+        if usage is None:
             return False
         total = usage.get("total_tokens")
         if not isinstance(total, int) or isinstance(total, bool):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
             if not (isinstance(prompt, int) and isinstance(completion, int)):
                 return False
             total = prompt + completion

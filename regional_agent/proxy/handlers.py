@@ -39,13 +39,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.parser
+import email.policy
 import functools
-import itertools
 import json
 import logging
 import math
-import secrets
-from collections.abc import Mapping
+import re
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from meridian_service import strict_json
 from policies import admission, prompt
 from policies.model import NodeId, RequestView
+from regional_agent import request_ids
 from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import (
     AgentError,
@@ -63,6 +65,7 @@ from regional_agent.errors import (
     Forbidden,
     InvalidKey,
     NoCapacity,
+    NotFound,
     QueueFull,
     RateLimited,
     UnknownModel,
@@ -73,7 +76,9 @@ from regional_agent.errors import (
 )
 from regional_agent.observability import RequestMetrics
 from regional_agent.prompts import ChatOptions, ModelPrompts, Prompts
+from regional_agent.proxy.endpoints import Kind
 from regional_agent.queue import Lease
+from regional_agent.request_ids import REQUEST_ID, RESPONSE_HOMES
 from regional_agent.settings import Settings
 from regional_agent.spill import HEADER as SPILLED_FROM
 from regional_agent.spill import RESIDENCY_HEADER, SPILLED_TO, Spill, request_tags
@@ -88,6 +93,7 @@ _CHAT_ASSUMED_MAX_TOKENS = 256  # for accounting only, when a chat request names
 _FORWARD_HEADERS = ("Authorization", "X-Request-ID", "traceparent", "tracestate")
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _W3C = TraceContextTextMapPropagator()  # W3C trace context: the client's in, the agent's out
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +106,7 @@ class _Parsed:
     metrics: RequestMetrics  # its model label and tokens, for /metrics
     reply_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*
     tally: UsageTally | None = None  # what the response used, with a token limit
+    kind: Kind = "chat"  # how it was parsed and routed (regional_agent.proxy.endpoints)
 
 
 class _ClientGone(Exception):
@@ -122,12 +129,93 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the model's card as its nodes report it (``client.models
+    .retrieve``), or an OpenAI-style 404 naming the models there are."""
+    agent = request.app[EDGE]
+    tenant = _authenticate(request, agent)
+    name = request.match_info["model"]
+    served = sorted(m for m in agent.pool.models() if tenant is None or tenant.may_use(m))
+    if name not in served:
+        raise UnknownModel(
+            f"The model `{name}` does not exist; the models served are: "
+            f"{', '.join(served) or 'none (no node serves a model yet)'}"
+        )
+    return web.json_response(_card(agent, name))
+
+
+def _card(agent: Edge, name: str) -> dict[str, Any]:
+    """A model's card: the one of the first node (by id) that reported it, else a plain one."""
+    for node in sorted(agent.pool, key=lambda n: n.node_id):
+        card = node.cards.get(name)
+        if card is not None:
+            return {**card, "id": name, "object": "model"}
+    return {"id": name, "object": "model", "owned_by": "meridian", "root": name}
+
+
+def endpoint(path: str, kind: Kind) -> Handler:
+    """The handler that proxies ``POST path`` (``regional_agent.proxy.endpoints``)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _proxy(request, path=path, kind=kind)
+
+    handle.__name__ = handle.__qualname__ = f"proxy{path.replace('/', '_')}"
+    return handle
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, path="/v1/chat/completions", chat=True)
+    return await _proxy(request, path="/v1/chat/completions", kind="chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, path="/v1/completions", chat=False)
+    return await _proxy(request, path="/v1/completions", kind="completion")
+
+
+async def stored_response(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the node that made
+    the response (vLLM keeps a stored response on the node that served it), which this agent
+    remembers for the last ``RESPONSE_HOMES`` responses it relayed."""
+    agent = request.app[EDGE]
+    tenant = _authenticate(request, agent)
+    response_id = request.match_info["response_id"]
+    home = agent.response_homes.get(response_id)
+    node = None if home is None else agent.pool.get(home)
+    if node is None:
+        raise NotFound(
+            f"no response {response_id!r} is known to this agent: it remembers the node of the "
+            f"last {RESPONSE_HOMES} responses it relayed (per worker), and that node must still "
+            "be in its pool",
+            param="response_id",
+        )
+    suffix = "/cancel" if request.path.endswith("/cancel") else ""
+    path = f"/v1/responses/{response_id}{suffix}"
+    if request.query_string:
+        path += f"?{request.query_string}"
+    raw = await request.read()
+    headers = _forward_headers(request, agent, tenant, _request_id(request))
+    parsed = _Parsed(
+        body={},
+        raw=raw,
+        view=RequestView(model="", prompt_tokens=0, max_tokens=1),
+        stream=request.query.get("stream") == "true",
+        tokens=0,
+        metrics=RequestMetrics(model="none", prompt_tokens=0),
+        kind="load",
+    )
+    hop = _Hop(node.node_id)
+    status = 500
+    try:
+        response = await _exchange(
+            request, agent, parsed, node.endpoint(path), headers, hop, agent.clock.now(),
+            method=request.method,
+        )  # fmt: skip
+        status = response.status
+        return response
+    except UpstreamStatus as exc:
+        status = exc.http_status
+        return _relay_error(exc)
+    finally:
+        agent.instruments.count_request(node=node.node_id, status=status)
 
 
 # -- tenants --------------------------------------------------------------------------------------
@@ -164,21 +252,23 @@ def _admit(agent: Edge, tenant: Tenant, parsed: _Parsed) -> tuple[_Parsed, Admis
 
 
 async def _parse(
-    request: web.Request, agent: Edge, *, chat: bool, tenant: Tenant | None
+    request: web.Request, agent: Edge, *, kind: Kind, tenant: Tenant | None
 ) -> _Parsed:
     """Read and parse the body: on the event loop when it is small (the common case, cheaper
     than a thread hop), else on a parse thread (``parse.offload_min_bytes``), so that one large
     prompt does not stall every other request.  The work is bounded either way: only the first
     ``routing.prefix_max_tokens`` tokens are tokenised and hashed."""
     raw = await request.read()
+    models = agent.pool.models()
     work = functools.partial(
         _parse_body,
         raw,
         request.headers,
         agent.settings,
-        chat=chat,
+        kind=kind,
         tenant=tenant,
         prompts=agent.prompts,
+        only_model=next(iter(models)) if len(models) == 1 else None,
     )
     if len(raw) < agent.settings.parse.offload_min_bytes:
         return work()
@@ -190,35 +280,37 @@ def _parse_body(
     headers: Mapping[str, str],
     settings: Settings,
     *,
-    chat: bool,
+    kind: Kind,
     tenant: Tenant | None = None,
     prompts: Prompts | None = None,
+    only_model: str | None = None,
 ) -> _Parsed:
     """Everything ``_parse`` does after reading, without the event loop (it may run on a
     thread: it reads only its arguments, and the prefix cache, which has a lock).
 
     The prompt is rendered and tokenised with the model's own template and tokenizer when
-    ``prompts`` has one for it (``regional_agent.prompts``), else with the stand-in."""
+    ``prompts`` has one for it (``regional_agent.prompts``), else with the stand-in.  An
+    endpoint without a prompt to share (``load``, ``form``) is routed by load; its ``model``
+    may be left out when the agent's nodes serve one model (``only_model``), as vLLM does."""
+    if kind == "form":
+        return _parse_form(raw, headers, settings, tenant=tenant, only_model=only_model)
     body = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        raise BadRequest(
-            "'model' is required: name one of the models from /v1/models", param="model"
-        )
-    if not isinstance(model, str) or not model:
-        raise BadRequest(
-            f"'model' must be a string naming one of the models from /v1/models, got "
-            f"{_shown(model)}",
-            param="model",
-        )
+    model = _model(body, only_model if kind == "load" else None)
+    if kind == "load":
+        return _by_load(body, raw, model, headers, settings, tenant)
     max_prompt_tokens = settings.routing.prefix_max_tokens
     block_tokens = settings.routing.prefix_block_tokens
     own = prompts.for_model(model) if prompts is not None else None
-    param = "messages" if chat else "prompt"
+    chat = kind != "completion"
+    param = {"chat": "messages", "completion": "prompt"}.get(kind, "input")
     try:
-        if chat:
+        if kind in ("responses", "messages"):
+            hashes, prompt_tokens = _conversation_tokens(
+                body, kind, own, prompts, block_tokens=block_tokens, max_tokens=max_prompt_tokens
+            )
+        elif chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
                 raise BadRequest(
@@ -243,15 +335,16 @@ def _parse_body(
             )
     except prompt.PromptError as exc:
         raise BadRequest(str(exc), param=param) from exc
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None and chat:
+    limit_field = "max_output_tokens" if kind == "responses" else "max_tokens"
+    max_tokens = body.get(limit_field)
+    if max_tokens is None and kind == "chat":
         max_tokens = body.get("max_completion_tokens")
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
     ):
         raise BadRequest(
-            f"'max_tokens' must be a positive integer, got {_shown(max_tokens)}",
-            param="max_tokens",
+            f"'{limit_field}' must be a positive integer, got {_shown(max_tokens)}",
+            param=limit_field,
         )
     if max_tokens is None:
         max_tokens = _CHAT_ASSUMED_MAX_TOKENS if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -276,7 +369,205 @@ def _parse_body(
         stream=stream,
         tokens=prompt_tokens + max_tokens,
         metrics=RequestMetrics(model=model, prompt_tokens=prompt_tokens),
+        kind=kind,
     )
+
+
+def _model(body: Mapping[str, Any], only_model: str | None) -> str:
+    """The body's ``model``; when it names none, ``only_model`` (the one the nodes serve, for
+    an endpoint where vLLM takes its only model), else a 400 naming the field."""
+    model = body.get("model")
+    if model is None and only_model is not None:
+        return only_model
+    if model is None:
+        raise BadRequest(
+            "'model' is required: name one of the models from /v1/models", param="model"
+        )
+    if not isinstance(model, str) or not model:
+        raise BadRequest(
+            f"'model' must be a string naming one of the models from /v1/models, got "
+            f"{_shown(model)}",
+            param="model",
+        )
+    return model
+
+
+_BYTES_PER_TOKEN = 4  # an estimate of a body's tokens where nothing is tokenised
+
+
+def _by_load(
+    body: Mapping[str, Any],
+    raw: bytes,
+    model: str,
+    headers: Mapping[str, str],
+    settings: Settings,
+    tenant: Tenant | None,
+) -> _Parsed:
+    """A request with no prompt to share: routed by load, its size estimated from its bytes
+    (the node's ``usage`` replaces the estimate in the metrics when it reports one)."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", param="stream")
+    return _estimated(body, raw, model, stream, headers, settings, tenant, kind="load")
+
+
+def _estimated(
+    body: dict[str, Any] | Mapping[str, Any],
+    raw: bytes,
+    model: str,
+    stream: bool,
+    headers: Mapping[str, str],
+    settings: Settings,
+    tenant: Tenant | None,
+    *,
+    kind: Kind,
+) -> _Parsed:
+    prompt_tokens = max(1, len(raw) // _BYTES_PER_TOKEN)
+    view = RequestView(
+        model=model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=1,
+        block_tokens=settings.routing.prefix_block_tokens,
+        session_key=_session_key(headers.get("X-Session-ID"), body.get("user")),
+        priority=_priority(headers, settings, tenant),
+    )
+    return _Parsed(
+        body=dict(body),
+        raw=raw,
+        view=view,
+        stream=stream,
+        tokens=prompt_tokens + 1,
+        metrics=RequestMetrics(model=model, prompt_tokens=prompt_tokens),
+        kind=kind,
+    )
+
+
+def _parse_form(
+    raw: bytes,
+    headers: Mapping[str, str],
+    settings: Settings,
+    *,
+    tenant: Tenant | None,
+    only_model: str | None,
+) -> _Parsed:
+    """A multipart form (audio): its ``model`` and ``stream`` fields; the file is not read."""
+    content_type = headers.get("Content-Type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise BadRequest(
+            f"this endpoint takes a multipart/form-data body (a file and its fields), got "
+            f"{content_type or 'no Content-Type'}"
+        )
+    fields = _form_fields(raw, content_type, names=("model", "stream"))
+    model = _model({"model": fields.get("model")}, only_model)
+    stream = fields.get("stream", "false").strip().lower() == "true"
+    return _estimated({}, raw, model, stream, headers, settings, tenant, kind="form")
+
+
+def _form_fields(raw: bytes, content_type: str, *, names: tuple[str, ...]) -> dict[str, str]:
+    """The text fields ``names`` of a multipart/form-data body (the stdlib's MIME parser)."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw
+    )
+    if not message.is_multipart():
+        raise BadRequest("the multipart/form-data body has no parts (or no boundary)")
+    out: dict[str, str] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, str) and name in names and part.get_filename() is None:
+            payload = part.get_payload(decode=True)
+            if isinstance(payload, bytes):
+                out[name] = payload.decode("utf-8", errors="replace")
+    return out
+
+
+def _conversation_tokens(
+    body: Mapping[str, Any],
+    kind: Kind,
+    own: ModelPrompts | None,
+    prompts: Prompts | None,
+    *,
+    block_tokens: int,
+    max_tokens: int,
+) -> tuple[tuple[int, ...], int]:
+    """The Responses or Messages API's conversation as chat messages, hashed as a chat is: the
+    messages up to the first item that is not plain text (a tool call, an image), which ends
+    the prefix worth sharing.  The agent's rendering is a stand-in for the node's, so a
+    conversation it cannot render is routed by load (no hashes), never refused: the node
+    judges the request."""
+    messages = _responses_messages(body) if kind == "responses" else _anthropic_messages(body)
+    if not messages:
+        return (), 1
+    try:
+        if own is not None:
+            head = own.encode_chat(
+                messages, ChatOptions(), block_size=block_tokens, max_tokens=max_tokens
+            )
+        else:
+            head = (prompts or _STAND_IN).encode_stand_in_chat(
+                messages, block_size=block_tokens, max_tokens=max_tokens
+            )
+    except prompt.PromptError:
+        return (), 1
+    return head.block_hashes, head.total_tokens
+
+
+def _text_of(content: object) -> str | None:
+    """A message's content as text: a string, or text parts only; ``None`` otherwise."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(text, str) or part.get("type") not in _TEXT_PARTS:
+            return None
+        texts.append(text)
+    return "".join(texts)
+
+
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+def _responses_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    value = body.get("input")
+    if value is None:
+        raise BadRequest("'input' is required: a string or a list of input items", param="input")
+    if not isinstance(value, str | list):
+        raise BadRequest(
+            f"'input' must be a string or a list of input items, got {_shown(value)}",
+            param="input",
+        )
+    messages = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    for item in items:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            break
+        role, text = item.get("role"), _text_of(item.get("content"))
+        if not isinstance(role, str) or text is None:
+            break
+        messages.append({"role": "system" if role == "developer" else role, "content": text})
+    return messages
+
+
+def _anthropic_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    value = body.get("messages")
+    if not isinstance(value, list):
+        raise BadRequest("'messages' must be a non-empty list of messages", param="messages")
+    messages = []
+    system = _text_of(body.get("system"))
+    if system:
+        messages.append({"role": "system", "content": system})
+    for item in value:
+        role = item.get("role") if isinstance(item, dict) else None
+        text = _text_of(item.get("content")) if isinstance(item, dict) else None
+        if not isinstance(role, str) or text is None:
+            break
+        messages.append({"role": role, "content": text})
+    return messages
 
 
 def _chat_options(body: Mapping[str, Any]) -> ChatOptions:
@@ -397,11 +688,11 @@ def _completion_tokens(
 # -- proxying -----------------------------------------------------------------------------------
 
 
-async def _proxy(request: web.Request, *, path: str, chat: bool) -> web.StreamResponse:
+async def _proxy(request: web.Request, *, path: str, kind: Kind) -> web.StreamResponse:
     agent = request.app[EDGE]
     arrived = agent.clock.now()
     tenant = _authenticate(request, agent)  # before the body is read: 401 costs nothing
-    parsed = await _parse(request, agent, chat=chat, tenant=tenant)
+    parsed = await _parse(request, agent, kind=kind, tenant=tenant)
     admitted: Admission | None = None
     if tenant is not None:
         parsed, admitted = _admit(agent, tenant, parsed)
@@ -421,16 +712,9 @@ async def _proxy_admitted(
     arrived: float,
     tenant: Tenant | None,
 ) -> web.StreamResponse:
-    request_id = request.headers.get("X-Request-ID") or _new_request_id()
-    headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
+    request_id = _request_id(request)
+    headers = _forward_headers(request, agent, tenant, request_id)
     tracing = agent.instruments.tracing
-    for name in _FORWARD_HEADERS:
-        if name == "Authorization" and tenant is not None:
-            continue  # the client's key is the agent's secret, not the node's
-        if tracing and name in _TRACE_HEADERS:
-            continue  # the agent's own span context goes instead (below)
-        if name in request.headers and name not in headers:
-            headers[name] = request.headers[name]
     agent.budget.on_request(now=agent.clock.now())
     parsed.metrics.model = agent.instruments.model_label(parsed.view.model)
     with _request_span(request, agent) as span:
@@ -477,14 +761,30 @@ async def _proxy_admitted(
             agent.instruments.record_request(agent.clock.now() - arrived, parsed.metrics)
 
 
-_ID_PREFIX = secrets.token_hex(8)  # this process's: ids stay unique across agents
-_ID_COUNTER = itertools.count(1)
+def _request_id(request: web.Request) -> str:
+    """The request's id: the client's ``X-Request-ID``, or the one the agent made for it
+    (``regional_agent.request_ids``, which echoes it on the response)."""
+    return request.get(REQUEST_ID) or request_ids.new()
 
 
-def _new_request_id() -> str:
-    """A request id for a request that brought none: 32 hex digits like a uuid4's, unique
-    across processes (a random prefix per process) at the cost of a counter, not of a uuid."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+def _forward_headers(
+    request: web.Request, agent: Edge, tenant: Tenant | None, request_id: str
+) -> dict[str, str]:
+    """What the node is sent besides the body: its content type, the request id, the client's
+    key in open mode, and the trace context when the agent makes no span of its own."""
+    headers = {
+        "Content-Type": request.headers.get("Content-Type", "application/json"),
+        "X-Request-ID": request_id,
+    }
+    tracing = agent.instruments.tracing
+    for name in _FORWARD_HEADERS:
+        if name == "Authorization" and tenant is not None:
+            continue  # the client's key is the agent's secret, not the node's
+        if tracing and name in _TRACE_HEADERS:
+            continue  # the agent's own span context goes instead (_proxy_admitted)
+        if name in request.headers and name not in headers:
+            headers[name] = request.headers[name]
+    return headers
 
 
 def _request_span(request: web.Request, agent: Edge) -> contextlib.AbstractContextManager[Span]:
@@ -689,6 +989,16 @@ def _node_at_fault(exc: UpstreamError) -> bool:
     return True
 
 
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
+
+
+def _remember_response(agent: Edge, answer: object, node: str) -> None:
+    """Which node made a response, for ``GET /v1/responses/{id}`` and its cancel."""
+    response_id = answer.get("id") if isinstance(answer, dict) else None
+    if isinstance(response_id, str) and response_id:
+        agent.response_homes.put(response_id, NodeId(node))
+
+
 def _relay_error(exc: UpstreamError) -> web.Response:
     if isinstance(exc, UpstreamStatus) and exc.upstream_body:
         return web.Response(
@@ -782,15 +1092,18 @@ async def _exchange(
     headers: Mapping[str, str],
     hop: _Hop,
     arrived: float,
+    *,
+    method: str = "POST",
 ) -> web.StreamResponse:
-    """POST the request to ``url`` and relay the answer: the one exchange of an attempt."""
+    """Send the request to ``url`` and relay the answer: the one exchange of an attempt.  An
+    answer is relayed as a stream when the request asked for one or the node sends one."""
     sent = agent.clock.now()
     try:
         timeouts = _stall_timeouts(agent, parsed) if parsed.stream else None
         async with agent.client.post(
-            hop.label, url, body=parsed.raw, headers=headers, timeouts=timeouts
+            hop.label, url, body=parsed.raw, headers=headers, timeouts=timeouts, method=method
         ) as up:
-            if parsed.stream:
+            if parsed.stream or up.content_type.startswith("text/event-stream"):
                 return await _relay_stream(
                     request, agent, parsed, up, hop, sent=sent, arrived=arrived
                 )
@@ -806,6 +1119,8 @@ async def _exchange(
                     ) from exc
                 if up.status < 400:
                     parsed.metrics.body(answer)
+                    if parsed.kind == "responses" and hop.region is None:
+                        _remember_response(agent, answer, hop.label)
             hop.record(agent, ok=True, ttft_s=None)
             response = web.Response(
                 body=data, status=up.status, content_type=_mime(up.content_type)
@@ -841,9 +1156,18 @@ async def _relay_stream(
         hop.lease.first_token()
     hop.record(agent, ok=True, ttft_s=now - sent)
     agent.instruments.record_ttft(now - arrived, model=parsed.metrics.model)
-    headers = {"Content-Type": up.content_type, "Cache-Control": "no-cache", **parsed.reply_headers}
+    headers = {
+        "Content-Type": up.content_type,
+        "Cache-Control": "no-cache",
+        **parsed.reply_headers,
+        "X-Request-ID": _request_id(request),
+    }
     if hop.region is not None:
         headers[SPILLED_TO] = hop.region
+    if parsed.kind == "responses" and hop.region is None:
+        found = _RESPONSE_ID.search(first)  # response.created, the stream's first event
+        if found is not None:
+            agent.response_homes.put(found.group(1).decode(), NodeId(hop.label))
     response = web.StreamResponse(status=up.status, headers=headers)
     tally = parsed.tally
     counted = parsed.metrics
@@ -888,4 +1212,4 @@ async def _relay_stream(
     return response
 
 
-__all__ = ["chat_completions", "completions", "models"]
+__all__ = ["chat_completions", "completions", "endpoint", "model", "models", "stored_response"]

@@ -261,8 +261,10 @@ class NodeClient:
         body: bytes,
         headers: Mapping[str, str],
         timeouts: Timeouts | None = None,
+        method: str = "POST",
     ) -> AsyncIterator[UpstreamResponse]:
-        """POST and yield once the headers are in; error statuses raise ``UpstreamStatus``.
+        """POST (or ``method``) and yield once the headers are in; error statuses raise
+        ``UpstreamStatus``.
 
         ``timeouts`` replaces the client's first-byte and read timeouts for this call.  Leaving
         the block early closes the connection, which makes vLLM abort the request.
@@ -276,22 +278,25 @@ class NodeClient:
                 # aiohttp copies a large bytes body in one go on the loop (and warns); a stream
                 # of it is written in chunks
                 data = io.BytesIO(body) if len(body) > _LARGE_BODY_BYTES else body
-                response = await self.session.post(url, data=data, headers=dict(headers))
+                response = await self.session.request(
+                    method, url, data=data if body or method != "GET" else None,
+                    headers=dict(headers),
+                )  # fmt: skip
         except aiohttp.ConnectionTimeoutError as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: POST {url} could not connect within connect_timeout_s "
+                f"node {node_id}: {method} {url} could not connect within connect_timeout_s "
                 f"{self._connect_timeout_s:g} s",
                 node_id=node_id,
             ) from exc
         except TimeoutError as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: POST {url} got no response headers within "
+                f"node {node_id}: {method} {url} got no response headers within "
                 f"{t.first_byte_s:g} s ({t.first_byte_name})",
                 node_id=node_id,
             ) from exc
         except _CONNECTION_ERRORS as exc:
             raise UpstreamUnavailable(
-                f"node {node_id}: POST {url} failed: {_why(exc)}", node_id=node_id
+                f"node {node_id}: {method} {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
         try:
             if response.status >= 400:

@@ -457,13 +457,17 @@ async def test_the_agent_routes_by_the_models_own_tokens_and_says_what_its_templ
     served = {u: await metric(u, "vllm:request_success_total") for u in urls}
     assert sorted(served.values()) == [0, 0, 4], served  # one home, by the model's tokens
     parsed = handlers._parse_body(
-        json.dumps(body).encode(), {}, handle.edge.settings, chat=True, prompts=handle.edge.prompts
+        json.dumps(body).encode(),
+        {},
+        handle.edge.settings,
+        kind="chat",
+        prompts=handle.edge.prompts,
     )
     ids = own.chat_token_ids(messages)
     assert parsed.view.prompt_tokens == len(ids)
     assert parsed.view.block_hashes == prompt.block_hashes(ids, block_size=16)
     standin = handlers._parse_body(
-        json.dumps({**body, "model": "other"}).encode(), {}, handle.edge.settings, chat=True,
+        json.dumps({**body, "model": "other"}).encode(), {}, handle.edge.settings, kind="chat",
         prompts=handle.edge.prompts,
     )  # fmt: skip
     text = prompt.render_chat(messages)
@@ -483,17 +487,17 @@ def test_a_completion_and_its_special_tokens_as_vllm_reads_them(tmp_path: Path) 
     text = EXPECTED["completion"]["prompt"]
     for extra, want in (({}, True), ({"add_special_tokens": False}, False)):
         body = json.dumps({"model": MODEL, "prompt": text, **extra}).encode()
-        parsed = handlers._parse_body(body, {}, settings, chat=False, prompts=loaded)
+        parsed = handlers._parse_body(body, {}, settings, kind="completion", prompts=loaded)
         ids = own.completion_token_ids(text, add_special_tokens=want)
         assert ids[0] == 1 if want else ids[0] != 1
         assert parsed.view.prompt_tokens == len(ids)
         assert parsed.view.block_hashes == prompt.block_hashes(ids, block_size=16)
     body = json.dumps({"model": MODEL, "prompt": text, "add_special_tokens": 1}).encode()
     with pytest.raises(BadRequest, match="'add_special_tokens' must be true or false"):
-        handlers._parse_body(body, {}, settings, chat=False, prompts=loaded)
+        handlers._parse_body(body, {}, settings, kind="completion", prompts=loaded)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "no"}
     with pytest.raises(BadRequest, match="'tools' must be a list"):
-        handlers._parse_body(json.dumps(chat).encode(), {}, settings, chat=True, prompts=loaded)
+        handlers._parse_body(json.dumps(chat).encode(), {}, settings, kind="chat", prompts=loaded)
 
 
 # -- the stand-in's prompts, by segments and cached ------------------------------------------------

@@ -136,7 +136,9 @@ def _parsed(
     settings: Settings, loaded: prompts.Prompts, body: dict[str, Any], *, chat: bool
 ) -> Any:
     raw = json.dumps({"model": MODEL_NAME, **body}).encode()
-    return handlers._parse_body(raw, {}, settings, chat=chat, prompts=loaded).view
+    return handlers._parse_body(
+        raw, {}, settings, kind="chat" if chat else "completion", prompts=loaded
+    ).view
 
 
 @pytest.mark.parametrize("case", range(len(CHATS)))

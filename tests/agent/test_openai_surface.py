@@ -1,0 +1,280 @@
+"""The whole OpenAI surface of a vLLM node, through the agent (issue 22), driven by the official
+``openai`` client against simulated nodes: model cards, embeddings, the Responses API streamed
+and not (and a stored response fetched back from the node that made it), chat with ``n``,
+``logprobs``, ``tools``/``tool_choice``, ``response_format`` and ``seed`` passed through
+untouched, tokenize/detokenize, a multipart form, and the request id on every answer and log
+line."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import struct
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from meridian_sim.node import EMBEDDING_DIMENSIONS
+from regional_agent.proxy import endpoints
+from tests.conftest import NodeFactory
+from tests.support.agent import AgentFactory, AgentHandle
+from tests.support.agent import openai_client as _client
+
+MODEL = "tiny-model"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "openapi-paths-0.32.json"
+GENERATED_ID = re.compile(r"^[0-9a-f]{32}$")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+async def _agent(sim_node: NodeFactory, start_agent: AgentFactory, n: int = 2) -> AgentHandle:
+    urls = [await sim_node(profile_name="cpu-tiny", seed=i) for i in range(n)]
+    return await start_agent(urls)
+
+
+def test_every_path_vllm_serves_is_proxied_or_a_nodes_own() -> None:
+    paths = json.loads(FIXTURE.read_text())["paths"]
+    proxied = {e.path for e in endpoints.PROXIED}
+    own = {entry.split(" ", 1)[1].replace("{model}", "{id}") for entry in endpoints.OWN}
+    own = {p.replace("{id}", "{response_id}") if "responses" in p else p for p in own}
+    missing = [
+        p for p in paths if p not in proxied and p not in endpoints.NODE_ONLY and p not in own
+    ]
+    assert missing == []
+    assert "POST" in paths["/v1/responses"] and "GET" in paths["/v1/responses/{response_id}"]
+
+
+async def test_every_proxied_path_is_routed_to_a_node(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """Each path reaches a node (its answer, whatever it is, is relayed), never the agent's
+    'no such path'; a path the nodes lack is the node's 404, not a 5xx."""
+    handle = await _agent(sim_node, start_agent, n=1)
+    async with aiohttp.ClientSession() as s:
+        for e in endpoints.PROXIED:
+            if e.kind == "form":
+                continue  # a multipart body: test_a_form_is_routed_by_its_model_field
+            async with s.post(f"{handle.url}{e.path}", json={"model": MODEL}) as r:
+                body = await r.text()
+                assert r.status < 500, (e.path, r.status, body)
+                assert "no such path" not in body, e.path
+                assert GENERATED_ID.match(r.headers["X-Request-ID"]), e.path
+
+
+async def test_models_retrieve_gives_the_nodes_card_and_a_404_names_the_models(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent)
+    async with _client(handle.url) as client:
+        card = await client.models.retrieve(MODEL)
+        assert card.id == MODEL and card.owned_by == "vllm"
+        assert card.model_extra and card.model_extra["max_model_len"] == 512  # cpu-tiny's
+        listed = await client.models.list()
+        assert [m.id for m in listed.data] == [MODEL]
+        with pytest.raises(openai.NotFoundError, match="the models served are: tiny-model"):
+            await client.models.retrieve("gpt-5")
+
+
+async def test_embeddings_through_the_agent(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent)
+    async with _client(handle.url) as client:
+        got = await client.embeddings.create(model=MODEL, input=["the cat sat", "a dog"])
+        assert [len(d.embedding) for d in got.data] == [EMBEDDING_DIMENSIONS] * 2
+        assert got.usage.prompt_tokens > 0
+        again = await client.embeddings.create(model=MODEL, input="the cat sat")
+        assert again.data[0].embedding == pytest.approx(got.data[0].embedding)  # any node
+        packed = await client.embeddings.create(
+            model=MODEL, input="the cat sat", encoding_format="base64"
+        )
+        raw = base64.b64decode(str(packed.data[0].embedding))
+        floats = struct.unpack(f"<{EMBEDDING_DIMENSIONS}f", raw)
+        assert floats == pytest.approx(got.data[0].embedding, abs=1e-6)
+        # a chat's body sent to embeddings: the node's 400 names the field, relayed as is
+        with pytest.raises(openai.BadRequestError, match="'input' must be"):
+            await client.embeddings.create(model=MODEL, input=[])
+
+
+async def test_responses_streamed_and_not_and_fetched_back_from_the_node_that_made_them(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent, n=3)
+    async with _client(handle.url) as client:
+        made = await client.responses.create(
+            model=MODEL, instructions="Be brief.", input="Say hello.", max_output_tokens=5
+        )
+        assert made.output_text and made.status == "incomplete"
+        assert made.usage is not None and made.usage.output_tokens == 5
+        kinds = []
+        final = None
+        stream = await client.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": "Stream it."}],
+            max_output_tokens=4,
+            stream=True,
+        )
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds.count("response.output_text.delta") == 4
+        assert final is not None and final.output_text
+        # the stored responses are on the nodes that made them: the agent knows which
+        for response_id in (made.id, final.id):
+            fetched = await client.responses.retrieve(response_id)
+            assert fetched.id == response_id
+        with pytest.raises(openai.NotFoundError, match="is known to this agent"):
+            await client.responses.retrieve("resp_unknown")
+        with pytest.raises(openai.BadRequestError, match="'input' is required"):
+            await client.responses.create(model=MODEL)  # type: ignore[call-overload]
+
+
+async def test_chat_fields_the_agent_does_not_read_reach_the_node_untouched(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    async with _client(handle.url) as client:
+        called = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=8,
+            seed=7,
+        )
+        choice = called.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == (
+            "get_weather"
+        )
+        many = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            n=3,
+            logprobs=True,
+            top_logprobs=2,
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
+        )
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        for c in many.choices:
+            assert c.logprobs and c.logprobs.content and len(c.logprobs.content) == 4
+            assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        assert many.usage is not None and many.usage.completion_tokens == 12
+        schema = {"type": "object", "properties": {"city": {"type": "string"}},
+                  "required": ["city"]}  # fmt: skip
+        shaped = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            max_tokens=8,
+        )
+        assert json.loads(shaped.choices[0].message.content or "") == {"city": ""}
+        streamed = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            n=2,
+            max_tokens=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        per_choice = {0: 0, 1: 0}
+        async for chunk in streamed:
+            for c in chunk.choices:
+                per_choice[c.index] += bool(c.delta.content)
+        assert per_choice == {0: 3, 1: 3}
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                tools=[WEATHER],  # type: ignore[list-item]
+                tool_choice="auto",
+            )
+
+
+async def test_tokenize_and_detokenize_without_a_model_when_the_nodes_serve_one(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent, n=1)  # its pieces are known where tokenised
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{handle.url}/tokenize", json={"prompt": "hello brave new world"}) as r:
+            assert r.status == 200, await r.text()
+            tokens = (await r.json())["tokens"]
+        async with s.post(f"{handle.url}/detokenize", json={"tokens": tokens}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["prompt"] == "hello brave new world"
+
+
+async def test_a_form_is_routed_by_its_model_field(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """An audio transcription (multipart): routed by its form's model; the simulated node has
+    no speech-to-text, and its 404 is relayed, not turned into a 5xx."""
+    handle = await _agent(sim_node, start_agent)
+    form = aiohttp.FormData()
+    form.add_field("model", MODEL)
+    form.add_field("file", b"RIFF....WAVE", filename="a.wav", content_type="audio/wav")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{handle.url}/v1/audio/transcriptions", data=form) as r:
+            assert r.status == 404, await r.text()
+            assert "Not Found" in await r.text()
+        other = aiohttp.FormData()
+        other.add_field("model", "whisper")
+        other.add_field("file", b"RIFF", filename="a.wav", content_type="audio/wav")
+        async with s.post(f"{handle.url}/v1/audio/transcriptions", data=other) as r:
+            assert r.status == 404
+            assert "whisper" in (await r.json())["error"]["message"]  # the agent's: no node
+        async with s.post(f"{handle.url}/v1/audio/transcriptions", json={"model": MODEL}) as r:
+            assert r.status == 400
+            assert "multipart/form-data" in (await r.json())["error"]["message"]
+
+
+async def test_the_request_id_is_on_every_answer_and_every_log_line(
+    sim_node: NodeFactory, start_agent: AgentFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="regional_agent")
+    handle = await _agent(sim_node, start_agent)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{handle.url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and GENERATED_ID.match(r.headers["X-Request-ID"])
+        mine = {"X-Request-ID": "client-id-42"}
+        async with s.post(
+            f"{handle.url}/v1/chat/completions", json={**body, "stream": True}, headers=mine
+        ) as r:
+            assert r.headers["X-Request-ID"] == "client-id-42"
+            assert b"[DONE]" in await r.read()
+        async with s.post(
+            f"{handle.url}/v1/chat/completions", json={**body, "model": "nope"}, headers=mine
+        ) as r:
+            assert r.status == 404 and r.headers["X-Request-ID"] == "client-id-42"
+        async with s.get(f"{handle.url}/v1/nothing-here", headers=mine) as r:
+            assert r.status == 404 and r.headers["X-Request-ID"] == "client-id-42"
+            message = (await r.json())["error"]["message"]
+            assert "POST /v1/embeddings" in message and "GET /v1/models/{model}" in message
+        async with s.get(f"{handle.url}/v1/models", headers={"X-Request-ID": "x" * 201}) as r:
+            assert r.status == 400 and "X-Request-ID" in (await r.json())["error"]["message"]
+    refused = [r.getMessage() for r in caplog.records if "request refused" in r.getMessage()]
+    assert refused and all(m.endswith("request_id=client-id-42") for m in refused)
+    async with _client(handle.url) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert GENERATED_ID.match(raw.headers["x-request-id"])
