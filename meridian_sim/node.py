@@ -8,9 +8,10 @@ injection for tests and drills lives under ``/admin/faults``.
 What a request may ask besides its prompt, as vLLM takes it: ``n`` choices (each its own
 engine request; the prompt is cached once), ``logprobs``/``top_logprobs`` (made-up values of
 vLLM's shape), ``tools`` with ``tool_choice`` naming a function or ``"required"`` (a call to it,
-``finish_reason`` ``tool_calls``; ``"auto"`` is refused as vLLM refuses it without
-``--enable-auto-tool-choice``), ``response_format`` (``json_object``, or ``json_schema``: the
-content is the schema's smallest instance) and ``seed`` (accepted; the text is the node's).
+``finish_reason`` ``tool_calls``, as a vLLM started with ``--tool-call-parser``; ``"auto"`` is
+refused as vLLM refuses it without ``--enable-auto-tool-choice``), ``response_format``
+(``json_object``, or ``json_schema``: the content is the schema's smallest instance) and
+``seed`` (accepted; the text is the node's).
 Embeddings are deterministic: ``EMBEDDING_DIMENSIONS`` floats from the token ids, unit length,
 each input a prefill in the engine.  ``/detokenize`` knows the pieces of the text the node has
 tokenised and generated (the stand-in tokenizer is a hash).

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible edge: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""The OpenAI-compatible edge: ``/v1/chat/completions``, ``/v1/completions``, every other
+inference endpoint of a vLLM node (``regional_agent.proxy.endpoints``), ``/v1/models`` and
+``/v1/models/{model}``, and stored responses (``/v1/responses/{id}``).
 
 A request is parsed just enough to route it: its model, its rendered prompt's block hashes
-(``policies.prompt``, the same rendering the simulator caches by), its priority and session
-key.  Then it waits for a slot (``queue``), goes to a node (``upstream``) and its response is
-relayed unchanged, chunk by chunk for streams.
+(``policies.prompt``, the same rendering the simulator caches by; none for an endpoint routed by
+load), its priority and session key.  Then it waits for a slot (``queue``), goes to a node
+(``upstream``) and its response is relayed unchanged, chunk by chunk for streams.
 
 Retries: a connect error, a reset, a 5xx or a 429 from a node is retried on another node while
 nothing has reached the client, up to ``retry.max_attempts`` and within the retry budget.  Once
@@ -1000,11 +1002,35 @@ def _remember_response(agent: Edge, answer: object, node: str) -> None:
 
 
 def _relay_error(exc: UpstreamError) -> web.Response:
+    """The node's error as it said it.  A body in FastAPI's shape (``{"detail": ...}``, what
+    vLLM answers for a path its model does not serve) is put in OpenAI's, with the node's
+    message, so clients read it; any other body is relayed byte for byte."""
     if isinstance(exc, UpstreamStatus) and exc.upstream_body:
+        detail = _fastapi_detail(exc.upstream_body) if exc.http_status < 500 else None
+        if detail is not None:
+            message = f"the node answered {exc.http_status} {detail}"
+            if exc.http_status == 404:
+                message += " (its model does not serve this endpoint)"
+            kind = {404: "NotFoundError", 405: "NotFoundError"}.get(exc.http_status)
+            error = {"message": message, "type": kind or "BadRequestError", "param": None,
+                     "code": exc.http_status}  # fmt: skip
+            return web.json_response({"error": error}, status=exc.http_status)
         return web.Response(
             body=exc.upstream_body, status=exc.http_status, content_type=_mime(exc.content_type)
         )
     return web.json_response(exc.body(), status=exc.http_status)
+
+
+def _fastapi_detail(body: bytes) -> str | None:
+    """``detail`` of a ``{"detail": "..."}`` body, else ``None``."""
+    if not body.startswith(b'{"detail"'):
+        return None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    detail = parsed.get("detail") if isinstance(parsed, dict) else None
+    return detail if isinstance(detail, str) and len(parsed) == 1 else None
 
 
 def _mime(content_type: str) -> str:

@@ -278,3 +278,23 @@ async def test_the_request_id_is_on_every_answer_and_every_log_line(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert GENERATED_ID.match(raw.headers["x-request-id"])
+
+
+def test_a_fastapi_error_of_a_node_is_put_in_openais_shape_with_the_nodes_words() -> None:
+    from regional_agent.errors import UpstreamStatus
+    from regional_agent.proxy import handlers
+
+    fastapi = b'{"detail":"Not Found"}'
+    exc = UpstreamStatus("node n1 answered 404", node_id="n1", status=404, body=fastapi,
+                         content_type="application/json")  # fmt: skip
+    relayed = handlers._relay_error(exc)
+    assert relayed.status == 404 and relayed.body is not None
+    error = json.loads(bytes(relayed.body))["error"]  # type: ignore[arg-type]
+    assert error["message"] == (
+        "the node answered 404 Not Found (its model does not serve this endpoint)"
+    )
+    assert error["type"] == "NotFoundError"
+    openai_shaped = UpstreamStatus("node n1 answered 400", node_id="n1", status=400,
+                                   body=b'{"error":{"message":"bad"}}',
+                                   content_type="application/json")  # fmt: skip
+    assert handlers._relay_error(openai_shaped).body == b'{"error":{"message":"bad"}}'
