@@ -7,6 +7,7 @@ line."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -21,7 +22,7 @@ import pytest
 from meridian_sim.node import EMBEDDING_DIMENSIONS
 from regional_agent.proxy import endpoints
 from tests.conftest import NodeFactory
-from tests.support.agent import AgentFactory, AgentHandle
+from tests.support.agent import AgentFactory, AgentHandle, metric
 from tests.support.agent import openai_client as _client
 
 MODEL = "tiny-model"
@@ -298,3 +299,52 @@ def test_a_fastapi_error_of_a_node_is_put_in_openais_shape_with_the_nodes_words(
                                    body=b'{"error":{"message":"bad"}}',
                                    content_type="application/json")  # fmt: skip
     assert handlers._relay_error(openai_shaped).body == b'{"error":{"message":"bad"}}'
+
+
+async def test_a_body_for_one_endpoint_sent_to_another_names_the_field(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    handle = await _agent(sim_node, start_agent, n=1)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{handle.url}/v1/embeddings", json=chat) as r:  # the node's 400
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "input"
+        async with s.post(f"{handle.url}/v1/responses", json=chat) as r:  # the agent's 400
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert error["param"] == "input" and "'input' is required" in error["message"]
+        embed = {"model": MODEL, "input": "hi", "max_output_tokens": "lots"}
+        async with s.post(f"{handle.url}/v1/responses", json=embed) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "max_output_tokens"
+
+
+async def test_closing_a_streamed_response_aborts_it_on_the_node_and_usage_is_counted(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    url = await sim_node(profile_name="cpu-tiny", time_scale=1.0)  # slow enough to cut
+    handle = await start_agent([url])
+    aborted = 'vllm:request_success_total{engine="0",finished_reason="abort"'
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "input": "a long answer", "max_output_tokens": 400,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        async with s.post(f"{handle.url}/v1/responses", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # the first event is out: then the client leaves
+        for _ in range(100):
+            async with s.get(f"{url}/metrics") as m:
+                page = await m.text()
+            line = next(x for x in page.splitlines() if x.startswith(aborted))
+            if float(line.split()[-1]) >= 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the node did not abort the abandoned response")
+        before = await metric(handle.url, "meridian_agent_generated_tokens_total")
+        done = {"model": MODEL, "input": "short", "max_output_tokens": 3, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        async with s.post(f"{handle.url}/v1/responses", json=done) as r:
+            assert b"response.incomplete" in await r.read()
+    after = await metric(handle.url, "meridian_agent_generated_tokens_total")
+    assert after - before == 3  # from response.incomplete's usage, nested in its response

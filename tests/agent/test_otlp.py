@@ -407,7 +407,7 @@ async def test_parent_based_sampling_traces_what_the_client_sampled_and_no_more(
     unsampled_id, _, unsampled = _traceparent()
     await _chat(handle.url, {"traceparent": unsampled[:-2] + "00"})
     await _chat(handle.url, {})
-    await _chat(handle.url, {"traceparent": sampled})
+    await _chat(handle.url, {"traceparent": sampled, "X-Request-ID": "traced-request-7"})
     await until(
         lambda: bool(receiver.spans_of("meridian-agent", trace_id=sampled_id)), 10, "the span"
     )
@@ -415,6 +415,7 @@ async def test_parent_based_sampling_traces_what_the_client_sampled_and_no_more(
     spans = receiver.spans_of("meridian-agent")
     assert [s.trace_id for s in spans] == [sampled_id]
     assert spans[0].attributes["meridian.model"] == MODEL  # a recorded span has its attributes
+    assert spans[0].attributes["meridian.request_id"] == "traced-request-7"  # as the log lines
     assert unsampled_id not in {s.trace_id for s in spans}
 
 
