@@ -244,7 +244,49 @@ async def _run(
             print("failed requests (streams cut after their first token when their node died):")
             for error, count in sorted({e: tally.errors.count(e) for e in tally.errors}.items()):
                 print(f"  {count} x {error}")
+        await _surface(session, agent.url)
     return 0
+
+
+async def _surface(session: aiohttp.ClientSession, agent: str) -> None:
+    """The rest of a vLLM node's OpenAI surface, through the agent, each answer with the
+    request id the agent echoes (docs/agent.md, "The whole OpenAI surface")."""
+    print("\nThe rest of the OpenAI surface, through the agent:")
+    async with session.get(f"{agent}/v1/models") as r:
+        model = (await r.json())["data"][0]["id"]
+    asks: list[tuple[str, str, dict[str, object] | None]] = [
+        ("GET", f"/v1/models/{model}", None),
+        ("POST", "/v1/embeddings", {"model": model, "input": ["the cat sat", "a dog ran"]}),
+        ("POST", "/v1/responses", {"model": model, "input": "Say hi.", "max_output_tokens": 6,
+                                   "stream": True}),
+        ("POST", "/v1/chat/completions", {
+            "model": model, "n": 2, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                         "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ]  # fmt: skip
+    for method, path, body in asks:
+        async with session.request(method, f"{agent}{path}", json=body) as r:
+            raw = await r.read()
+            said = _said(path, raw, r.headers.get("Content-Type", ""))
+            print(
+                f"  {method} {path}: {r.status}, {said} (X-Request-ID {r.headers['X-Request-ID']})"
+            )
+
+
+def _said(path: str, raw: bytes, content_type: str) -> str:
+    """One line of what an answer holds."""
+    if content_type.startswith("text/event-stream"):
+        kinds = [line[7:] for line in raw.decode().splitlines() if line.startswith("event: ")]
+        return f"{len(kinds)} events, {kinds[0]} ... {kinds[-1]}"
+    answer = json.loads(raw)
+    if path.startswith("/v1/models/"):
+        return f"card of {answer['id']}, max_model_len {answer.get('max_model_len')}"
+    if path == "/v1/embeddings":
+        return f"{len(answer['data'])} vectors of {len(answer['data'][0]['embedding'])} floats"
+    calls = [c["message"]["tool_calls"][0]["function"]["name"] for c in answer["choices"]]
+    return f"{len(calls)} choices, each calling {', '.join(sorted(set(calls)))}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -249,7 +249,7 @@ def create_app(
     for proxied in endpoints.PROXIED[2:]:  # every other inference endpoint of a vLLM node
         app.router.add_post(proxied.path, handlers.endpoint(proxied.path, proxied.kind))
     app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids hold slashes: org/name
     app.router.add_get("/v1/responses/{response_id}", handlers.stored_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", handlers.stored_response)
     app.router.add_get("/health", health)

@@ -88,6 +88,10 @@ async def test_models_retrieve_gives_the_nodes_card_and_a_404_names_the_models(
         assert [m.id for m in listed.data] == [MODEL]
         with pytest.raises(openai.NotFoundError, match="the models served are: tiny-model"):
             await client.models.retrieve("gpt-5")
+    slashed = await start_agent([await sim_node(model="meta-llama/Meta-Llama-3-8B-Instruct")])
+    async with _client(slashed.url) as client:  # a Hugging Face id: the path has a slash
+        card = await client.models.retrieve("meta-llama/Meta-Llama-3-8B-Instruct")
+        assert card.id == "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
 async def test_embeddings_through_the_agent(

@@ -33,3 +33,11 @@ def test_demo_runs_drains_kills_and_reports(capsys: pytest.CaptureFixture[str]) 
     ok, failed = map(int, re.search(r"client: (\d+) ok, (\d+) failed", out).groups())  # type: ignore[union-attr]
     assert ok + failed == 36
     assert ok >= 30  # only streams already under way on the killed node may fail
+    # the rest of the OpenAI surface, each answer with the agent's request id
+    surface = out.split("The rest of the OpenAI surface, through the agent:")[1]
+    assert re.search(r"GET /v1/models/\S+: 200, card of .*max_model_len \d+", surface)
+    assert "POST /v1/embeddings: 200, 2 vectors of 256 floats" in surface
+    assert re.search(r"POST /v1/responses: 200, \d+ events, response.created \.\.\. "
+                     r"response.(completed|incomplete)", surface)  # fmt: skip
+    assert "POST /v1/chat/completions: 200, 2 choices, each calling get_weather" in surface
+    assert len(re.findall(r"X-Request-ID [0-9a-f]{32}\)", surface)) == 4
