@@ -451,7 +451,9 @@ def _embedding_inputs(value: object) -> list[tuple[int, ...]]:
     for item in value:
         if isinstance(item, str) and item:
             out.append(prompt.tokenize(item))
-        elif isinstance(item, list) and item and all(type(t) is int and t >= 0 for t in item):
+        elif (
+            isinstance(item, list) and item and all(type(t) is int and 0 <= t < 2**32 for t in item)
+        ):
             out.append(tuple(item))
         else:
             raise ApiError(
@@ -575,6 +577,7 @@ def _int_param(body: Mapping[str, Any], name: str, *, minimum: int) -> int | Non
 
 
 Api = Literal["chat", "completion", "responses"]
+_MAX_N: Final = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -606,6 +609,8 @@ def _parse_call(state: NodeState, body: Mapping[str, Any], *, api: Api) -> _Call
     else:
         token_ids = _completion_prompt(body.get("prompt"))
     n = _int_param(body, "n", minimum=1) or 1
+    if n > _MAX_N:
+        raise ApiError(400, f"'n' must be at most {_MAX_N}, got {n}", param="n")
     if api == "responses" and n != 1:
         raise ApiError(400, "the Responses API has no 'n'", param="n")
     limit_name = "max_output_tokens" if api == "responses" else "max_tokens"

@@ -90,6 +90,38 @@ _completion = st.fixed_dictionaries(
     {"model": _model, "prompt": st.one_of(st.text(max_size=200), st.lists(st.integers()), _json)},
     optional=_knobs,
 )
+_items = st.lists(
+    st.fixed_dictionaries(
+        {}, optional={"role": st.one_of(st.sampled_from(["user", "developer", "x"]), _json),
+                      "content": _content, "type": st.one_of(st.just("message"), _json)}
+    ),
+    max_size=3,
+)  # fmt: skip
+_responses = st.fixed_dictionaries(
+    {"model": _model},
+    optional={
+        "input": st.one_of(st.text(max_size=200), _items, _json),
+        "instructions": _json,
+        "max_output_tokens": st.one_of(st.integers(-5, 40), _json),
+        "stream": st.one_of(st.booleans(), _json),
+    },
+)
+_anthropic = st.fixed_dictionaries(
+    {"model": _model, "messages": st.one_of(st.lists(_message, max_size=3), _json)},
+    optional={"system": _json, "max_tokens": st.one_of(st.integers(-5, 40), _json)},
+)
+_embeddings = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": _model,
+        "input": st.one_of(st.text(max_size=100), st.lists(st.text(max_size=20), max_size=3),
+                           st.lists(st.integers(), max_size=5), _json),
+        "encoding_format": _json,
+        "dimensions": _json,
+        "tokens": st.one_of(st.lists(st.integers(), max_size=5), _json),
+        "prompt": _json,
+    },
+)  # fmt: skip
 _raw_bodies = st.one_of(
     st.binary(max_size=300),
     st.sampled_from(
@@ -129,6 +161,13 @@ _request = st.one_of(
     st.tuples(st.just("POST"), st.just("/v1/chat/completions"), _valid_chat.map(json.dumps)),
     st.tuples(st.just("POST"), st.just("/v1/chat/completions"), _chat.map(json.dumps)),
     st.tuples(st.just("POST"), st.just("/v1/completions"), _completion.map(json.dumps)),
+    st.tuples(st.just("POST"), st.just("/v1/responses"), _responses.map(json.dumps)),
+    st.tuples(st.just("POST"), st.just("/v1/messages"), _anthropic.map(json.dumps)),
+    st.tuples(
+        st.just("POST"),
+        st.sampled_from(["/v1/embeddings", "/tokenize", "/detokenize", "/v1/score", "/pooling"]),
+        _embeddings.map(json.dumps),
+    ),
     st.tuples(
         st.sampled_from(["POST", "GET", "PUT", "DELETE", "PATCH"]),
         st.sampled_from(
@@ -136,6 +175,13 @@ _request = st.one_of(
                 "/v1/chat/completions",
                 "/v1/completions",
                 "/v1/models",
+                "/v1/models/tiny-model",
+                "/v1/models/a/b/%00",
+                "/v1/responses",
+                "/v1/responses/resp_x",
+                "/v1/responses/resp_x/cancel",
+                "/v1/audio/transcriptions",
+                "/v1/embeddings",
                 "/v1/nope",
                 "/health",
                 "/admin/nodes",
