@@ -352,3 +352,23 @@ async def test_closing_a_streamed_response_aborts_it_on_the_node_and_usage_is_co
             assert b"response.incomplete" in await r.read()
     after = await metric(handle.url, "meridian_agent_generated_tokens_total")
     assert after - before == 3  # from response.incomplete's usage, nested in its response
+
+
+async def test_embeddings_and_responses_are_retried_on_another_node_before_the_first_byte(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """One of two nodes answers every request 503: what lands on it is retried on the other,
+    for embeddings and for a streamed response as for chat."""
+    bad, good = [await sim_node(profile_name="cpu-tiny", seed=i) for i in range(2)]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{bad}/admin/faults", json={"error_rate": 1.0}) as r:
+            assert r.status == 200
+        handle = await start_agent([bad, good], policy="round_robin", retry={"budget_ratio": 1.0})
+        for _ in range(4):
+            body = {"model": MODEL, "input": "hello"}
+            async with s.post(f"{handle.url}/v1/embeddings", json=body) as r:
+                assert r.status == 200, await r.text()
+            streamed = {**body, "max_output_tokens": 2, "stream": True}
+            async with s.post(f"{handle.url}/v1/responses", json=streamed) as r:
+                assert r.status == 200 and b"response.created" in await r.read()
+    assert await metric(handle.url, "meridian_agent_retries_total") >= 2  # (then it is ejected)
