@@ -22,7 +22,7 @@ import pytest
 from meridian_sim.node import EMBEDDING_DIMENSIONS
 from regional_agent.proxy import endpoints
 from tests.conftest import NodeFactory
-from tests.support.agent import AgentFactory, AgentHandle, metric
+from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes, metric
 from tests.support.agent import openai_client as _client
 
 MODEL = "tiny-model"
@@ -372,3 +372,38 @@ async def test_embeddings_and_responses_are_retried_on_another_node_before_the_f
             async with s.post(f"{handle.url}/v1/responses", json=streamed) as r:
                 assert r.status == 200 and b"response.created" in await r.read()
     assert await metric(handle.url, "meridian_agent_retries_total") >= 2  # (then it is ejected)
+
+
+LONG_INSTRUCTIONS = " ".join(f"rule{i % 40} keep answers short and exact" for i in range(60))
+
+
+async def test_responses_and_messages_sharing_a_long_system_prompt_land_on_one_node(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """Prefix-aware where there is a prompt to share: the Responses API's ``instructions`` and
+    Anthropic's ``system`` are hashed as a chat's system message, so repeats go where the prefix
+    is cached (the node's own prefix-cache hits prove it); embeddings, with none, spread by load."""
+    urls = [await sim_node(profile_name="cpu-tiny", seed=i) for i in range(4)]
+    handle = await start_agent(urls, policy="prefix_aware")
+    async with _client(handle.url) as client:
+        for i in range(5):
+            await client.responses.create(
+                model=MODEL, instructions=LONG_INSTRUCTIONS, input=f"question {i}",
+                max_output_tokens=2,
+            )  # fmt: skip
+    served = {u: await metric(u, "vllm:request_success_total") for u in urls}
+    hits = {u: await metric(u, "vllm:prefix_cache_hits_total") for u in urls}
+    (home,) = [u for u, n in served.items() if n > 0]
+    assert served[home] == 5 and hits[home] > 0
+    async with aiohttp.ClientSession() as s:
+        for i in range(5):
+            body = {"model": MODEL, "system": LONG_INSTRUCTIONS, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"question {i}"}]}  # fmt: skip
+            async with s.post(f"{handle.url}/v1/messages", json=body) as r:
+                assert r.status == 404  # the simulator has no Messages API: relayed, routed
+    after = {u: await metric(u, "vllm:request_success_total") for u in urls}
+    assert after == served  # (404s end no engine request)
+    nodes = await admin_nodes(handle.url, ADMIN)
+    counted = {u: n["requests_total"] for u, n in nodes.items()}
+    messages_home = [u for u in urls if counted[u] > served[u]]
+    assert len(messages_home) == 1  # all five Messages requests went to one node
