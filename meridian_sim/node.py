@@ -1098,6 +1098,15 @@ async def _collect(
     )
 
 
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    """A server-sent-events answer, its headers sent."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response
+
+
 async def _stream(
     request: web.Request,
     state: NodeState,
@@ -1106,10 +1115,7 @@ async def _stream(
     queue: asyncio.Queue[TokenEvent | RequestRecord],
     choices: _Choices,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
+    response = await _event_stream(request)
     created = int(time.time())
     obj = "chat.completion.chunk" if call.chat else "text_completion"
     model = state.config.model
@@ -1278,10 +1284,7 @@ async def _stream_responses(
     queue: asyncio.Queue[TokenEvent | RequestRecord],
     choices: _Choices,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
+    response = await _event_stream(request)
     created = int(time.time())
     item_id = f"msg_{uuid.uuid4().hex[:16]}"
     sequence = 0
