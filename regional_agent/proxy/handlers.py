@@ -261,7 +261,10 @@ async def _parse(
     prompt does not stall every other request.  The work is bounded either way: only the first
     ``routing.prefix_max_tokens`` tokens are tokenised and hashed."""
     raw = await request.read()
-    models = agent.pool.models()
+    only_model = None
+    if kind in ("load", "form"):  # only these may leave the model out (not on the hot path)
+        models = agent.pool.models()
+        only_model = next(iter(models)) if len(models) == 1 else None
     work = functools.partial(
         _parse_body,
         raw,
@@ -270,7 +273,7 @@ async def _parse(
         kind=kind,
         tenant=tenant,
         prompts=agent.prompts,
-        only_model=next(iter(models)) if len(models) == 1 else None,
+        only_model=only_model,
     )
     if len(raw) < agent.settings.parse.offload_min_bytes:
         return work()
