@@ -919,7 +919,8 @@ async def _serve(request: web.Request, *, api: Api) -> web.StreamResponse:
             writer = _stream_responses if call.stream else _collect_responses
         else:
             writer = _stream if call.stream else _collect
-        response = await writer(request, state, call, request_id, queue, choices)
+        job = _Job(request, state, call, request_id, queue, choices)
+        response = await writer(job)
         records = choices.records
         done = True
         return response
@@ -971,6 +972,18 @@ class _Choices:
         if item.finish_reason is not None:
             self.finish[i] = item.finish_reason
         return item
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What a writer (``_collect``, ``_stream`` and the Responses API's two) answers from."""
+
+    request: web.Request
+    state: NodeState
+    call: _Call
+    request_id: str
+    queue: asyncio.Queue[TokenEvent | RequestRecord]
+    choices: _Choices
 
 
 def _end_span(span: Span, record: RequestRecord | None, *, aborted: bool) -> None:
@@ -1050,14 +1063,9 @@ def _tool_call(call: _Call) -> dict[str, Any]:
 # -- chat and completions ----------------------------------------------------------------------
 
 
-async def _collect(
-    request: web.Request,
-    state: NodeState,
-    call: _Call,
-    request_id: str,
-    queue: asyncio.Queue[TokenEvent | RequestRecord],
-    choices: _Choices,
-) -> web.StreamResponse:
+async def _collect(job: _Job) -> web.StreamResponse:
+    state, call, request_id = job.state, job.call, job.request_id
+    queue, choices = job.queue, job.choices
     drop_after = state.faults.drop_after_tokens
     tokens = 0
     while not choices.done:
@@ -1107,14 +1115,9 @@ async def _event_stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _stream(
-    request: web.Request,
-    state: NodeState,
-    call: _Call,
-    request_id: str,
-    queue: asyncio.Queue[TokenEvent | RequestRecord],
-    choices: _Choices,
-) -> web.StreamResponse:
+async def _stream(job: _Job) -> web.StreamResponse:
+    request, state, call, request_id = job.request, job.state, job.call, job.request_id
+    queue, choices = job.queue, job.choices
     response = await _event_stream(request)
     created = int(time.time())
     obj = "chat.completion.chunk" if call.chat else "text_completion"
@@ -1257,14 +1260,9 @@ def _message_item(item_id: str, text: str, *, status: str) -> dict[str, Any]:
             "content": content if status == "completed" or text else []}  # fmt: skip
 
 
-async def _collect_responses(
-    request: web.Request,
-    state: NodeState,
-    call: _Call,
-    request_id: str,
-    queue: asyncio.Queue[TokenEvent | RequestRecord],
-    choices: _Choices,
-) -> web.StreamResponse:
+async def _collect_responses(job: _Job) -> web.StreamResponse:
+    state, call, request_id = job.state, job.call, job.request_id
+    queue, choices = job.queue, job.choices
     while not choices.done:
         choices.take(await queue.get())
     text = "".join(choices.texts[0])
@@ -1276,14 +1274,9 @@ async def _collect_responses(
     return web.json_response(answer)
 
 
-async def _stream_responses(
-    request: web.Request,
-    state: NodeState,
-    call: _Call,
-    request_id: str,
-    queue: asyncio.Queue[TokenEvent | RequestRecord],
-    choices: _Choices,
-) -> web.StreamResponse:
+async def _stream_responses(job: _Job) -> web.StreamResponse:
+    request, state, call, request_id = job.request, job.state, job.call, job.request_id
+    queue, choices = job.queue, job.choices
     response = await _event_stream(request)
     created = int(time.time())
     item_id = f"msg_{uuid.uuid4().hex[:16]}"
