@@ -321,19 +321,11 @@ def _parse_body(
                 raise BadRequest(
                     "'messages' must be a non-empty list of messages", param="messages"
                 )
-            if own is not None:
-                head = own.encode_chat(
-                    messages,
-                    _chat_options(body),
-                    block_size=block_tokens,
-                    max_tokens=max_prompt_tokens,
-                )
-                hashes, prompt_tokens = head.block_hashes, head.total_tokens
-            else:
-                head = (prompts or _STAND_IN).encode_stand_in_chat(
-                    messages, block_size=block_tokens, max_tokens=max_prompt_tokens
-                )
-                hashes, prompt_tokens = head.block_hashes, head.total_tokens
+            options = _chat_options(body) if own is not None else ChatOptions()
+            hashes, prompt_tokens = _chat_tokens(
+                messages, options, own, prompts, block_tokens=block_tokens,
+                max_tokens=max_prompt_tokens,
+            )  # fmt: skip
         else:
             hashes, prompt_tokens = _completion_tokens(
                 body, max_prompt_tokens, block_tokens=block_tokens, own=own
@@ -503,16 +495,30 @@ def _conversation_tokens(
     if not messages:
         return (), 1
     try:
-        if own is not None:
-            head = own.encode_chat(
-                messages, ChatOptions(), block_size=block_tokens, max_tokens=max_tokens
-            )
-        else:
-            head = (prompts or _STAND_IN).encode_stand_in_chat(
-                messages, block_size=block_tokens, max_tokens=max_tokens
-            )
+        return _chat_tokens(
+            messages, ChatOptions(), own, prompts, block_tokens=block_tokens, max_tokens=max_tokens
+        )
     except prompt.PromptError:
         return (), 1
+
+
+def _chat_tokens(
+    messages: list[Any],
+    options: ChatOptions,
+    own: ModelPrompts | None,
+    prompts: Prompts | None,
+    *,
+    block_tokens: int,
+    max_tokens: int,
+) -> tuple[tuple[int, ...], int]:
+    """A chat's block hashes and token count: the model's own template and tokenizer
+    (``own``), else the stand-in; ``prompt.PromptError`` when it cannot be rendered."""
+    if own is not None:
+        head = own.encode_chat(messages, options, block_size=block_tokens, max_tokens=max_tokens)
+    else:
+        head = (prompts or _STAND_IN).encode_stand_in_chat(
+            messages, block_size=block_tokens, max_tokens=max_tokens
+        )
     return head.block_hashes, head.total_tokens
 
 
