@@ -244,9 +244,7 @@ def create_app(
             },
         )
     app[_RNG] = random.Random(rng.random())
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    for proxied in endpoints.PROXIED[2:]:  # every other inference endpoint of a vLLM node
+    for proxied in endpoints.PROXIED:  # every inference endpoint of a vLLM node
         app.router.add_post(proxied.path, handlers.endpoint(proxied.path, proxied.kind))
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids hold slashes: org/name

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -370,3 +370,12 @@ class NodePool:
     def _wake(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def capacity_by_model(views: Iterable[NodeView]) -> dict[str, float]:
+    """Each model's capacity among ``views``: the weights of the nodes that serve it."""
+    out: dict[str, float] = {}
+    for view in views:
+        for model in view.models:
+            out[model] = out.get(model, 0.0) + view.weight
+    return out

@@ -35,7 +35,7 @@ from regional_agent.autoscaler.actuators import Actuator, Command, DryRun
 from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 from regional_agent.errors import ActuatorError
-from regional_agent.nodes import NodePool
+from regional_agent.nodes import NodePool, capacity_by_model
 from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff
 from regional_agent.roster import Roster
@@ -114,11 +114,7 @@ class Autoscaler:
 
     def current_by_model(self) -> dict[str, float]:
         """Each model's healthy capacity: the weights of active, healthy nodes serving it."""
-        out: dict[str, float] = {}
-        for v in self._pool.serving(now=self._clock.now()):
-            for model in v.models:
-                out[model] = out.get(model, 0.0) + v.weight
-        return out
+        return capacity_by_model(self._pool.serving(now=self._clock.now()))
 
     def needs(self) -> tuple[plan.ModelNeed, ...]:
         """Each model the controller asks a floor of, with its capacity now."""

@@ -165,14 +165,6 @@ def endpoint(path: str, kind: Kind) -> Handler:
     return handle
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, path="/v1/chat/completions", kind="chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, path="/v1/completions", kind="completion")
-
-
 async def stored_response(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the node that made
     the response (vLLM keeps a stored response on the node that served it), which this agent
@@ -1247,4 +1239,4 @@ async def _relay_stream(
     return response
 
 
-__all__ = ["chat_completions", "completions", "endpoint", "model", "models", "stored_response"]
+__all__ = ["endpoint", "model", "models", "stored_response"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from meridian_wire.models import GroupLayout, RegionDesired, RegionLoad, RegionStatus
 from policies.model import NodeView
+from regional_agent.nodes import capacity_by_model
 from regional_agent.publisher.load import WindowLoad
 from regional_agent.settings import RegionSettings
 
@@ -91,10 +92,7 @@ def observe(
         ttft_p99_s=None if window.ttft_p99_s is None else round(window.ttft_p99_s, 4),
         spilled_per_s=round(window.spilled_per_s, 3),
     )
-    models = dict.fromkeys(offered, 0.0)
-    for view in serving:
-        for model in view.models:
-            models[model] = models.get(model, 0.0) + view.weight
+    models = {**dict.fromkeys(offered, 0.0), **capacity_by_model(serving)}
     return RegionStatus(
         region=identity.region,
         geo=identity.geo,
