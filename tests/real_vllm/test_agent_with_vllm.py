@@ -16,7 +16,6 @@ import aiohttp
 import openai
 import pytest
 
-from policies.model import Health
 from tests.support.agent import ADMIN, AgentFactory, AgentHandle, admin_nodes
 from tests.support.agent import metric as _metric
 from tests.support.agent import openai_client as _client
@@ -134,24 +133,32 @@ async def test_telemetry_reads_both_nodes_real_metrics(
             await client.completions.create(
                 model=MODEL_NAME, prompt=f"telemetry {i}", max_tokens=2, extra_body=IGNORE_EOS
             )
-    # the nodes are idle now: a fresh scrape shows the counters as they stand
+    # the nodes are idle now: a fresh scrape shows the counters as they stand.  vLLM's frontend
+    # answers a request before it records the engine step's stats, so a scrape right after the
+    # last answer can still show it running (a CI run saw running 1 with the counters already
+    # final): wait for the idle gauges as well as the counters
     queries = {u: await _metric(u, "vllm:prefix_cache_queries_total") for u in urls}
     nodes: dict[str, dict[str, Any]] = {}
     for _ in range(100):  # scrapes run every 0.1 s; give them up to 10 s
         nodes = await _admin_nodes(handle)
         telemetry = {u: nodes[u]["telemetry"] for u in urls}
         if all(
-            t["prefix_queries_total"] == queries[u] and not t["stale"] for u, t in telemetry.items()
+            t["prefix_queries_total"] == queries[u]
+            and not t["stale"]
+            and t["running"] == 0
+            and t["waiting"] == 0
+            for u, t in telemetry.items()
         ):
             break
         await asyncio.sleep(0.1)
+    own = {u: await _metric(u, "vllm:num_requests_running") for u in urls}
     for url in urls:
         telemetry = nodes[url]["telemetry"]
         assert telemetry["stale"] is False, telemetry
         assert telemetry["last_error"] is None, telemetry
         assert telemetry["block_size"] == BLOCK_SIZE
         assert telemetry["num_gpu_blocks"] == NUM_BLOCKS
-        assert telemetry["running"] == 0 and telemetry["waiting"] == 0
+        assert telemetry["running"] == 0 and telemetry["waiting"] == 0, (telemetry, own)
         assert 0.0 <= telemetry["kv_util"] <= 1.0
         assert telemetry["prefix_queries_total"] == queries[url] > 0
         assert telemetry["scrapes_total"] >= 1
@@ -217,37 +224,34 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
         telemetry={"scrape_timeout_s": 10.0, "stale_after_s": 30.0},
     )
     started = [asyncio.Event() for _ in range(4)]
+    got = [0] * 4  # tokens each stream has brought the client so far
     outcomes: list[str] = []
-    scene: dict[str, Any] = {"on_doomed": None, "killed": False, "wholes": 0}
+    scene: dict[str, Any] = {"on_doomed": None, "frozen": False, "missed": []}
 
-    def kill_if_set() -> None:
-        """Kill the doomed node the moment its two streams are past their first tokens and
-        still running, nothing awaited between the check and the kill: a CI run on a starved
-        host saw the tiny model's streams end while the test was still on its way to look."""
+    def freeze_if_set() -> None:
+        """SIGSTOP the doomed node the moment its two streams are past their first tokens,
+        nothing awaited between the check and the signal: the tiny model can finish a stream
+        while a test on a loaded host is still on its way to look (CI runs saw it).  Frozen, the
+        node generates nothing more, so what the scene is can be read at leisure before the
+        kill; the fault itself is still the SIGKILL."""
         on_doomed = scene["on_doomed"]
-        if scene["killed"] or on_doomed is None or not all(started[j].is_set() for j in on_doomed):
+        if scene["frozen"] or on_doomed is None or not all(started[j].is_set() for j in on_doomed):
             return
-        edge = handle.edge
-        node = next(n for n in edge.pool if n.url == doomed.url)
-        healthy = edge.pool.health.state(node.node_id, now=edge.clock.now()) is Health.HEALTHY
-        scene.setdefault("missed", []).append(
-            (node.in_flight, healthy, [streams[j].done() for j in on_doomed])
-        )
-        if (
-            node.in_flight >= len(on_doomed)
-            and healthy
-            and not any(streams[j].done() for j in on_doomed)
-        ):
-            # whole requests still on the doomed node at the kill fail before their first byte
-            # and are retried, which is what errors_total counts (on a slow host they may all
-            # have finished: then there is nothing to count)
-            scene["wholes"] = node.in_flight - len(on_doomed)
-            scene["killed"] = True
-            doomed.kill()
+        scene["frozen"] = True
+        doomed.freeze()
+
+    async def drained() -> None:
+        """Until what the frozen node sent before the SIGSTOP has reached the client (the
+        streams' token counts stop moving for half a second; 20 s at most)."""
+        last: list[int] = []
+        for _ in range(40):
+            if got == last:
+                return
+            last = list(got)
+            await asyncio.sleep(0.5)
 
     async def streaming(client: openai.AsyncOpenAI, i: int) -> None:
         first = started[i]
-        got = 0
         try:
             stream = await client.completions.create(
                 model=MODEL_NAME,
@@ -257,16 +261,16 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
                 extra_body=IGNORE_EOS,
             )
             async for chunk in stream:
-                got += sum(1 for c in chunk.choices if c.text is not None)
+                got[i] += sum(1 for c in chunk.choices if c.text is not None)
                 if not first.is_set():
                     first.set()
-                    kill_if_set()
+                    freeze_if_set()
         except openai.APIError as exc:
-            assert got > 0, f"a stream failed before its first byte, not retried: {exc}"
+            assert got[i] > 0, f"a stream failed before its first byte, not retried: {exc}"
             assert "mid-stream" in str(exc)
             outcomes.append("clean-error")
             return
-        assert got > 0
+        assert got[i] > 0
         outcomes.append("ok")
 
     async def non_streaming(client: openai.AsyncOpenAI, i: int) -> None:
@@ -278,13 +282,14 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
 
     async with _client(handle.url, timeout=120) as client:
         # Up to three tries at the scene the kill needs: two streams on the doomed node, each with
-        # its first token and not yet ended.  On a starved host a try can miss it (CI runs saw the
-        # doomed node's requests all finish while the kill waited for the survivor's first
-        # tokens); such a try lets its requests finish and starts again.
+        # its first token and not yet ended.  A try that misses it (a stream ended before the
+        # freeze) thaws the node, lets its requests finish and starts again.
         on_doomed: list[int] = []
         streams: list[asyncio.Future[None]] = []
+        wholes_on_doomed = 0
         for _ in range(3):
             started[:] = [asyncio.Event() for _ in range(4)]
+            got[:] = [0] * 4
             outcomes.clear()
             scene["on_doomed"] = None
             dispatched = sum(n["requests_total"] for n in (await _admin_nodes(handle)).values())
@@ -305,20 +310,30 @@ async def test_a_node_killed_mid_stream_ends_streams_cleanly_and_retries_the_res
                     on_doomed.append(i)
             assert len(on_doomed) == 2, f"round robin put streams {on_doomed} on the doomed node"
             scene["on_doomed"] = on_doomed
-            kill_if_set()  # their first tokens may be out already
-            if not scene["killed"]:
+            freeze_if_set()  # their first tokens may be out already
+            if not scene["frozen"]:
                 await asyncio.wait_for(
                     asyncio.gather(*(started[i].wait() for i in on_doomed)), timeout=60
-                )  # the second first token kills it (kill_if_set), or this try missed the scene
-            if scene["killed"]:
+                )  # the second first token freezes it (freeze_if_set)
+            await drained()
+            if not any(streams[j].done() for j in on_doomed):
+                # whole requests still on the doomed node at the kill fail before their first
+                # byte and are retried, which is what errors_total counts (on a slow host they
+                # may all have finished: then there is nothing to count)
+                node = next(n for n in handle.edge.pool if n.url == doomed.url)
+                wholes_on_doomed = node.in_flight - len(on_doomed)
+                assert wholes_on_doomed >= 0, (node.in_flight, on_doomed)
+                doomed.kill()
                 break
+            scene["missed"].append(([streams[j].done() for j in on_doomed], list(got)))
+            scene["frozen"] = False
+            doomed.thaw()
             await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
         else:
             nodes = await _admin_nodes(handle)
             raise AssertionError(
                 f"three tries, and the doomed node's streams ended first: {scene} {nodes}"
             )
-        wholes_on_doomed = scene["wholes"]
         # a hang would fail here rather than at the test timeout
         await asyncio.wait_for(asyncio.gather(*streams, *wholes), timeout=300)
         after = await client.completions.create(

@@ -100,6 +100,7 @@ class ServerProcess:
         """Stop the process group: SIGTERM, then SIGKILL after `grace_s`. Idempotent."""
         if self._popen.poll() is None:
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a frozen group (`freeze`) acts on it only then
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout=grace_s)
         # Children may outlive the leader; the group id is the leader's pid.
@@ -110,6 +111,13 @@ class ServerProcess:
         """SIGKILL the whole process group at once, as a crash would. Idempotent."""
         self._signal_group(signal.SIGKILL)
         self._popen.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole process group: it runs no instruction until `thaw` (or a kill)."""
+        self._signal_group(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal_group(signal.SIGCONT)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):

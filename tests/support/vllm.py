@@ -85,6 +85,13 @@ class VllmServer:
         """SIGKILL the whole process group at once (API server, engine core, worker)."""
         self.process.kill()
 
+    def freeze(self) -> None:
+        """SIGSTOP the whole process group: it generates nothing, sends nothing, until `thaw`."""
+        self.process.freeze()
+
+    def thaw(self) -> None:
+        self.process.thaw()
+
 
 def launch(
     install: VllmInstall,
