@@ -169,6 +169,13 @@ async def test_the_index_is_what_vllm_reports_and_the_agents_keys_are_vllms_bloc
         keys = _keys(vllm_install, messages)
         assert len(keys) >= 2
         went = await _routed(agent, messages)
+        # the prompt's BlockStored events travel apart from its answer and may come after it:
+        # until they are in, the index and the test's subscriber agree on the state before
+        await until(
+            lambda: index.match(keys) == {went: len(keys)},
+            10.0,
+            "the agent's keys to find vLLM's blocks",
+        )
         for server, account in zip(vllm_nodes, accounts, strict=True):
             node = _node_id(server)
             await until(
@@ -176,7 +183,6 @@ async def test_the_index_is_what_vllm_reports_and_the_agents_keys_are_vllms_bloc
                 10.0,
                 f"{node}: the index holds what vLLM reported",
             )
-        assert index.match(keys) == {went: len(keys)}  # the agent's keys find vLLM's blocks
         assert set(keys) <= index.keys(went)
     finally:
         for account in accounts:
