@@ -34,11 +34,16 @@ head, and prompts that share their head share those entries.
 An entry costs the agent about :data:`ENTRY_BYTES` (a node or two per entry, CPython 3.11), so
 the default 200,000 entries at stride 32 cover up to 6.4M blocks, in about 65 MiB.
 
+The hashes must chain (as :func:`policies.prompt.block_hashes` makes them): :meth:`match` finds
+where holders drop out by bisection, which is exact only because a chained block is held with
+every block before it.
+
 Not thread-safe, no I/O, no clock: every call takes ``now`` in seconds on the caller's clock.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
@@ -58,7 +63,15 @@ class PrefixIndex:
     one entry per block of a prompt's first ``dense_head_blocks``, then one per
     ``stride_blocks`` blocks (and its last block)."""
 
-    __slots__ = ("_by_length", "_capacity_blocks", "_entries", "_head", "_stride", "_ttl_s")
+    __slots__ = (
+        "_by_length",
+        "_capacity_blocks",
+        "_entries",
+        "_head",
+        "_latest",
+        "_stride",
+        "_ttl_s",
+    )
 
     def __init__(
         self,
@@ -83,6 +96,7 @@ class PrefixIndex:
         # Oldest touch first.  The inner dicts hold one timestamp per node (a handful of nodes).
         self._entries: OrderedDict[int, dict[NodeId, float]] = OrderedDict()
         self._by_length: dict[int, tuple[int, ...]] = {}
+        self._latest = -math.inf  # the latest ``now`` given to insert or match
 
     def __len__(self) -> int:
         """Entries (distinct block hashes) held now, expired ones not yet met included."""
@@ -116,8 +130,14 @@ class PrefixIndex:
         """Record that ``node`` holds the prompt whose chained block hashes are ``hashes``.
 
         Only the first ``capacity_blocks`` indexed blocks are kept: a longer prompt cannot fit
-        anyway, and its head is what other prompts share.
+        anyway, and its head is what other prompts share.  A claim is stamped with the latest
+        ``now`` given to the index so far (here or to :meth:`match`), so a clock that steps
+        back cannot make a block look older than the blocks after it (:meth:`match` relies on
+        that).
         """
+        if now < self._latest:
+            now = self._latest
+        self._latest = now
         entries = self._entries
         positions = self._positions(len(hashes))[: self._capacity_blocks]
         for h in reversed([hashes[i] for i in positions]):
@@ -138,43 +158,62 @@ class PrefixIndex:
         ``ttl_s``.  With a stride, a node that drops out between two stride blocks is matched to
         the deepest block in between that it holds (the last block of a shorter prompt), else to
         the last stride block it held.  Claims found expired on the way are dropped.
+
+        Cost: because hashes chain, the live holders of the prompt's indexed blocks are nested
+        (a node holding one holds every one before it, with a claim at least as recent: an
+        insert stamps a prompt's every indexed block at once, and the eviction order keeps the
+        shallower), so where two indexed blocks have as many live holders they have the same,
+        and so has every block between them.  The blocks where a holder drops out are found by
+        bisection: a few lookups per distinct depth instead of one per indexed block.
         """
-        oldest = now - self._ttl_s
+        positions = self._positions(len(hashes))
+        count = len(positions)
         matched: dict[NodeId, int] = {}
-        alive: dict[NodeId, None] | None = None  # nodes holding every indexed block so far
-        previous = -1  # the last indexed position walked
+        if not count:
+            return matched
+        if now < self._latest:
+            now = self._latest  # a claim dropped as expired at a later time stays dropped
+        self._latest = now
+        oldest = now - self._ttl_s
         entries = self._entries
-        for position in self._positions(len(hashes)):
-            holders = entries.get(hashes[position])
-            if holders is not None and min(holders.values()) < oldest:
-                holders = self._holders(hashes[position], oldest)  # drops the expired claims
-            if alive is not None and holders is not None and alive.keys() <= holders.keys():
-                previous = position  # the usual case in a shared prefix: everyone still holds it
+
+        def holders_at(j: int) -> dict[NodeId, float] | None:
+            """The live holders of the ``j``-th indexed block (``None``: none)."""
+            h = hashes[positions[j]]
+            found = entries.get(h)
+            if found is not None and min(found.values()) < oldest:
+                found = self._holders(h, oldest)  # drops the expired claims
+            return found
+
+        first = holders_at(0)
+        if positions[0] > 0:  # a stride before any indexed block: shorter prompts' last blocks
+            self._probe(hashes, 0, positions[0], None, first, oldest, matched)
+        if first is None:
+            return matched
+        # (lo, hi, holders at lo, at hi; past the end: none), holders at lo more than at hi: a
+        # node drops out in between
+        pending: list[tuple[int, int, dict[NodeId, float], dict[NodeId, float] | None]] = [
+            (0, count, first, None)
+        ]
+        while pending:
+            lo, hi, at_lo, at_hi = pending.pop()
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                at_mid = holders_at(mid)
+                size = 0 if at_mid is None else len(at_mid)
+                if size != len(at_lo):  # else the same holders from lo to mid
+                    pending.append((lo, mid, at_lo, at_mid))
+                if at_mid is not None and size != (0 if at_hi is None else len(at_hi)):
+                    pending.append((mid, hi, at_mid, at_hi))
                 continue
-            leaving: list[NodeId] | None
-            if alive is None:
-                leaving = [] if holders is None else None  # None: any node not in holders
-            else:
-                leaving = [n for n in alive if holders is None or n not in holders]
-            if position - previous > 1 and (leaving is None or leaving):
-                self._probe(hashes, previous + 1, position, leaving, holders, oldest, matched)
-            if holders is None:
-                if alive is None:  # nobody held anything up to here but shorter prompts
-                    self._probe(hashes, previous + 1, position, None, None, oldest, matched)
-                break
-            if alive is None:
-                alive = dict.fromkeys(holders)
-            else:
-                for n in leaving or ():
-                    del alive[n]
-                    if matched.get(n, 0) < previous + 1:  # held everything up to previous
-                        matched[n] = previous + 1
-                if not alive:
-                    break
-            previous = position
-        for n in alive or ():  # held every block up to previous (a probe may know deeper)
-            if matched.get(n, 0) < previous + 1:
-                matched[n] = previous + 1
+            leaving = [n for n in at_lo if at_hi is None or n not in at_hi]
+            depth = positions[lo] + 1  # held every indexed block up to lo
+            stop = positions[hi] if hi < count else depth
+            if stop > depth:  # between two indexed blocks: the deepest one each node holds
+                self._probe(hashes, depth, stop, leaving, at_hi, oldest, matched)
+            for n in leaving:
+                if matched.get(n, 0) < depth:
+                    matched[n] = depth
         return matched
 
     def _probe(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +19,13 @@ A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
 def chain(*tokens: int) -> tuple[int, ...]:
     """Chained hashes of one-token blocks, so ``chain(1, 2)`` is a prefix of ``chain(1, 2, 3)``."""
     return prompt.block_hashes(tokens, block_size=1)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_match_counts_leading_blocks_per_node() -> None:
@@ -38,13 +48,14 @@ def test_sharing_block_zero_is_not_a_hit_on_the_rest() -> None:
     assert max(matched, key=matched.__getitem__) == B
 
 
-def test_a_node_must_hold_every_block_before_the_one_it_matches() -> None:
-    index = PrefixIndex(capacity_blocks=100, ttl_s=60)
-    hashes = (10, 11, 12)  # not chained: the index must still require blocks 0..i
-    index.insert(hashes[:1], A, now=0)
-    index.insert(hashes[1:], A, now=0)
-    index.insert(hashes[1:], B, now=0)
-    assert index.match(hashes, now=1) == {A: 3}
+def test_a_clock_that_steps_back_cannot_age_a_prompts_head() -> None:
+    """A claim is stamped with the latest time seen, so the head of a prompt is never older
+    than its tail (the bisection in match relies on it)."""
+    index = PrefixIndex(capacity_blocks=100, ttl_s=6)
+    index.insert(chain(0, 1, 2), A, now=10)
+    index.insert(chain(0), A, now=5)  # stamped 10, not 5
+    assert index.match(chain(0, 1, 2), now=14) == {A: 3}
+    assert index.match(chain(0, 1, 2), now=17) == {}
 
 
 def test_lru_evicts_the_least_recently_touched_and_keeps_shared_roots() -> None:
@@ -112,39 +123,126 @@ def test_bad_bounds_are_refused(kwargs: dict[str, float], needle: str) -> None:
         PrefixIndex(**kwargs)  # type: ignore[arg-type]
 
 
-_blocks = st.lists(st.integers(min_value=0, max_value=12), max_size=8)
+_prompts = st.lists(st.integers(min_value=0, max_value=2), max_size=8)
 
 
 @settings(max_examples=100)
 @given(
-    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), _blocks), max_size=12),
-    query=_blocks,
+    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), _prompts), max_size=12),
+    query=_prompts,
     capacity=st.integers(min_value=1, max_value=20),
 )
 def test_match_agrees_with_a_plain_model(
     inserts: list[tuple[NodeId, list[int]]], query: list[int], capacity: int
 ) -> None:
-    """Without eviction, a node matches the longest query prefix all of whose blocks it holds;
-    with eviction, never more than that, and the index never exceeds its capacity."""
+    """Without eviction, a node matches the longest common prefix of the query with a prompt
+    routed to it; with eviction, never more than that, and the index never exceeds its
+    capacity."""
     bounded = PrefixIndex(capacity_blocks=capacity, ttl_s=1e9)
     unbounded = PrefixIndex(capacity_blocks=10_000, ttl_s=1e9)
-    held: dict[NodeId, set[int]] = {}
-    for t, (node, blocks) in enumerate(inserts):
-        bounded.insert(blocks, node, now=t)
-        unbounded.insert(blocks, node, now=t)
-        held.setdefault(node, set()).update(blocks)
-        assert len(bounded) <= capacity
-    expected = {}
-    for node, holds in held.items():
-        depth = 0
-        while depth < len(query) and query[depth] in holds:
-            depth += 1
+    expected: dict[NodeId, int] = {}
+    for t, (node, tokens) in enumerate(inserts):
+        bounded.insert(chain(*tokens), node, now=t)
+        unbounded.insert(chain(*tokens), node, now=t)
+        depth = _common(tokens, query)
         if depth:
-            expected[node] = depth
+            expected[node] = max(expected.get(node, 0), depth)
+        assert len(bounded) <= capacity
     now = len(inserts)
-    assert unbounded.match(query, now=now) == expected
-    for node, depth in bounded.match(query, now=now).items():
+    assert unbounded.match(chain(*query), now=now) == expected
+    for node, depth in bounded.match(chain(*query), now=now).items():
         assert 0 < depth <= expected[node]
+
+
+def _walk(index: PrefixIndex, hashes: Sequence[int], now: float) -> dict[NodeId, int]:
+    """PrefixIndex.match as it was before the bisection: every indexed block walked in order
+    (the reference the bisection must agree with), on the index's clock (never back)."""
+    oldest = max(now, index._latest) - index._ttl_s
+    matched: dict[NodeId, int] = {}
+    alive: dict[NodeId, None] | None = None
+    previous = -1
+    entries = index._entries
+    for position in index._positions(len(hashes)):
+        holders = entries.get(hashes[position])
+        if holders is not None and min(holders.values()) < oldest:
+            holders = index._holders(hashes[position], oldest)
+        if alive is not None and holders is not None and alive.keys() <= holders.keys():
+            previous = position
+            continue
+        leaving: list[NodeId] | None
+        if alive is None:
+            leaving = [] if holders is None else None
+        else:
+            leaving = [n for n in alive if holders is None or n not in holders]
+        if position - previous > 1 and (leaving is None or leaving):
+            index._probe(hashes, previous + 1, position, leaving, holders, oldest, matched)
+        if holders is None:
+            if alive is None:
+                index._probe(hashes, previous + 1, position, None, None, oldest, matched)
+            break
+        if alive is None:
+            alive = dict.fromkeys(holders)
+        else:
+            for n in leaving or ():
+                del alive[n]
+                if matched.get(n, 0) < previous + 1:
+                    matched[n] = previous + 1
+            if not alive:
+                break
+        previous = position
+    for n in alive or ():
+        if matched.get(n, 0) < previous + 1:
+            matched[n] = previous + 1
+    return matched
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.sampled_from([A, B, C]), _prompts, st.integers(0, 3)),
+        st.tuples(st.just("remove"), st.sampled_from([A, B, C]), st.just([]), st.integers(0, 3)),
+    ),
+    max_size=16,
+)
+
+
+@settings(max_examples=300)
+@given(
+    ops=_ops,
+    queries=st.lists(_prompts, min_size=1, max_size=4),
+    stride=st.integers(min_value=1, max_value=4),
+    head=st.integers(min_value=0, max_value=4),
+    capacity=st.integers(min_value=1, max_value=30),
+    ttl=st.integers(min_value=1, max_value=12),
+    later=st.integers(min_value=0, max_value=12),
+)
+def test_the_bisection_agrees_with_walking_every_block(
+    ops: list[tuple[str, NodeId, list[int], int]],
+    queries: list[list[int]],
+    stride: int,
+    head: int,
+    capacity: int,
+    ttl: int,
+    later: int,
+) -> None:
+    """On chained prompts, with claims expiring, evictions and removed nodes, match finds what
+    walking every indexed block in order finds."""
+    index = PrefixIndex(
+        capacity_blocks=capacity, ttl_s=ttl, stride_blocks=stride, dense_head_blocks=head
+    )
+    now = 0
+    for op, node, tokens, step in ops:
+        now += step - 1  # the clock may step back
+        if op == "insert":
+            index.insert(chain(*tokens), node, now=now)
+        else:
+            index.remove_node(node)
+        if op == "insert" and step % 2:  # matches between inserts drop what they meet
+            index.match(chain(*tokens[:-1]), now=now)
+    for query, back in zip(queries, (0, later, 1, 0), strict=False):
+        hashes = chain(*query)
+        reference = copy.deepcopy(index)  # a walk drops the expired claims it meets
+        at = now + later - back
+        assert index.match(hashes, now=at) == _walk(reference, hashes, at)
 
 
 # --- stride -----------------------------------------------------------------------------------
@@ -208,13 +306,6 @@ def test_a_zero_stride_is_refused() -> None:
 
 
 _tokens = st.lists(st.integers(min_value=0, max_value=2), max_size=14)
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @settings(max_examples=200)
