@@ -209,9 +209,43 @@ class NodePool:
         return cached
 
     def _changed(self, node_id: NodeId) -> None:
-        """The agent's own accounting of ``node_id`` moved: only its view is rebuilt."""
-        self._views.pop(node_id, None)
-        self._dirty.add(node_id)
+        """The agent's own accounting of ``node_id`` moved (a dispatch, a first token, a
+        completion, a sibling's counts): its kept view is redone with the new counts now, in
+        place in the routing views, so the next decision reads it as it is.  Its health and
+        telemetry stand until the view's time comes or a notify (their changes notify)."""
+        node = self._nodes.get(node_id)
+        cached = self._views.get(node_id)
+        if node is None or cached is None:
+            self._dirty.add(node_id)
+            return
+        before = cached[0]
+        in_flight, tokens, prefill = self.load(node)
+        view = NodeView(
+            node_id=node_id,
+            models=node.models,
+            admin=node.admin,
+            health=before.health,
+            weight=node.weight,
+            in_flight=in_flight,
+            in_flight_tokens=tokens,
+            prefill_tokens=prefill,
+            slots=node.slots,
+            slow_start=before.slow_start,
+            telemetry=before.telemetry,
+        )
+        self._views[node_id] = (view, cached[1])
+        routing = self._routing
+        position = self._positions.get(node_id)
+        if (
+            routing is None
+            or position is None
+            or self._panic is None
+            or node_id in self._dirty
+            or (view.health, view.admin) != self._built.get(node_id)
+        ):
+            self._dirty.add(node_id)  # views() patches it, or builds them all
+            return
+        routing.replace(position, health_policy.routing_view(view, self._panic))
 
     def _expire(self, now: float) -> None:
         """The views whose time has come are rebuilt at the next read, like dirty ones."""
