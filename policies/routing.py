@@ -170,9 +170,13 @@ class RoutingConfig:
     """Cost of unknown telemetry, standing in for the unknown queue and KV terms."""
     meridian_candidates: int = 16
     """Above this many routable nodes for the model, ``meridian`` scores a bounded set instead
-    of every node: the nodes the prefix index holds the prompt's blocks on, plus this many
-    sampled at random (the cost then picks the least loaded of them, as power-of-k-choices
-    does), so a decision costs the same at 1,024 nodes as at 16.  0: always score every node."""
+    of every node: the nodes the prefix index holds the prompt's blocks on (this many of the
+    longest matches at most), plus ``meridian_sampled`` drawn at random (the cost then picks
+    the least loaded of them, as power-of-k-choices does), so a decision costs the same at
+    1,024 nodes as at 16.  0: always score every node."""
+    meridian_sampled: int = 8
+    """Nodes drawn at random (with replacement: a repeat counts once) into ``meridian``'s
+    bounded set, beside the prefix index's holders; at least 1."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -187,6 +191,8 @@ class RoutingConfig:
             raise ValueError("RoutingConfig.prefix_ttl_s must be positive")
         if self.meridian_prefill_norm_tokens < 1:
             raise ValueError("RoutingConfig.meridian_prefill_norm_tokens must be at least 1")
+        if self.meridian_sampled < 1:
+            raise ValueError("RoutingConfig.meridian_sampled must be at least 1")
         if self.balance_rel_threshold < 1:
             raise ValueError("RoutingConfig.balance_rel_threshold must be at least 1")
         if not 0 < self.kv_high_watermark <= 1:
@@ -854,7 +860,7 @@ class _Meridian(_Indexed):
     ) -> Decision:
         """Every candidate scored, or with many nodes a bounded set (``meridian_candidates``):
         the prefix index's holders of the prompt (the ``meridian_candidates`` longest matches)
-        plus as many sampled at random, from the pool's
+        plus ``meridian_sampled`` drawn at random, from the pool's
         :class:`~policies.model.NodeViews` without a pass over every node."""
         limit = self._config.meridian_candidates
         if limit < 1 or not isinstance(nodes, NodeViews) or len(nodes) <= limit:
@@ -881,7 +887,7 @@ class _Meridian(_Indexed):
                 view = by_id[node_id]
                 if view.in_flight < (1 if view.health is probation else view.slots):
                     bounded[node_id] = view
-        for node_id in rng.sample(ids, limit):
+        for node_id in rng.choices(ids, k=self._config.meridian_sampled):
             view = by_id[node_id]
             if view.in_flight < (1 if view.health is probation else view.slots):
                 bounded.setdefault(node_id, view)
