@@ -219,20 +219,7 @@ class NodePool:
             self._dirty.add(node_id)
             return
         before = cached[0]
-        in_flight, tokens, prefill = self.load(node)
-        view = NodeView(
-            node_id=node_id,
-            models=node.models,
-            admin=node.admin,
-            health=before.health,
-            weight=node.weight,
-            in_flight=in_flight,
-            in_flight_tokens=tokens,
-            prefill_tokens=prefill,
-            slots=node.slots,
-            slow_start=before.slow_start,
-            telemetry=before.telemetry,
-        )
+        view = self._view(node, before.health, before.slow_start, before.telemetry)
         self._views[node_id] = (view, cached[1])
         routing = self._routing
         position = self._positions.get(node_id)
@@ -308,19 +295,30 @@ class NodePool:
         return node.in_flight, node.in_flight_tokens, node.prefill_tokens
 
     def view(self, node: Node, *, now: float) -> NodeView:
+        return self._view(
+            node,
+            self.health.state(node.node_id, now=now),
+            self.health.slow_start(node.node_id, now=now),
+            self.telemetry.snapshot(node.node_id, now=now),
+        )
+
+    def _view(
+        self, node: Node, health: Health, slow_start: float, telemetry: Telemetry | None
+    ) -> NodeView:
+        """``node`` as routing sees it, with its counts now and the health and telemetry given."""
         in_flight, tokens, prefill = self.load(node)
         return NodeView(
             node_id=node.node_id,
             models=node.models,
             admin=node.admin,
-            health=self.health.state(node.node_id, now=now),
+            health=health,
             weight=node.weight,
             in_flight=in_flight,
             in_flight_tokens=tokens,
             prefill_tokens=prefill,
             slots=node.slots,
-            slow_start=self.health.slow_start(node.node_id, now=now),
-            telemetry=self.telemetry.snapshot(node.node_id, now=now),
+            slow_start=slow_start,
+            telemetry=telemetry,
         )
 
     # -- the agent's own accounting ----------------------------------------------------------
