@@ -191,6 +191,7 @@ class NodePool:
             if cached is None or now >= cached[1]:
                 if cached is not None:
                     self._health_moved = True  # an ejection ended, a ramp moved, a sample aged
+                    self._dirty.add(node.node_id)  # the routing views have it as it was
                 cached = self._cache(node, now=now)
             else:
                 self._views_until = min(self._views_until, cached[1])
@@ -350,11 +351,11 @@ class NodePool:
         node = self._nodes.get(node_id)
         if node is not None:
             node.prefill_tokens -= prefill
-            self._changed(node_id)
-            if self.shared is not None:
+            if self.shared is not None:  # first: the view is redone from the shared totals
                 self.shared.write(
                     node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
                 )
+            self._changed(node_id)
 
     def release(self, node_id: NodeId, *, tokens: int, failed: bool, prefill: int = 0) -> None:
         """The request ended; ``prefill``: what is left of it (no first token was seen)."""
@@ -365,11 +366,11 @@ class NodePool:
             node.prefill_tokens -= prefill
             if failed:
                 node.errors_total += 1
-            self._changed(node_id)
-            if self.shared is not None:
+            if self.shared is not None:  # first: the view is redone from the shared totals
                 self.shared.write(
                     node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
                 )
+            self._changed(node_id)
         self._wake()
 
     def siblings_moved(self) -> int:

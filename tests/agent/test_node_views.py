@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from policies import health
 from policies.model import Health, NodeId, NodeView, Telemetry
 from regional_agent.nodes import Node, NodePool
+from regional_agent.workers.shared import LoadShare, LoadTable
 
 NODES = [NodeId(f"n{i}") for i in range(4)]
 STALE_S = 2.0
@@ -83,6 +85,7 @@ op = st.one_of(
     st.tuples(st.just("scrape"), st.sampled_from(NODES), st.integers(0, 9)),
     st.tuples(st.just("weight"), st.sampled_from(NODES), st.floats(0.5, 4.0)),
     st.tuples(st.just("add_remove"), st.sampled_from(NODES)),
+    st.tuples(st.just("observe")),  # the status, the publisher, the autoscaler read the pool
 )
 
 
@@ -126,6 +129,8 @@ def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
         elif kind == "weight" and (node := pool.get(step[1])) is not None:
             node.weight = step[2]
             pool.notify()
+        elif kind == "observe":
+            pool.serving(now=now)
         elif kind == "add_remove":
             if step[1] in pool:
                 pool.remove(step[1])
@@ -168,3 +173,38 @@ def test_in_panic_a_view_rebuilt_for_its_accounting_is_still_shown_healthy() -> 
     assert patched.by_id[NODES[0]].health is Health.HEALTHY and patched[0].in_flight == 1
     assert pool.views(now=6.0).by_id[NODES[0]].health is Health.HEALTHY  # probation, in panic
     assert pool.observed(now=6.0)[0].health is Health.PROBATION
+
+
+def test_with_workers_a_completion_shows_in_the_view_at_once(tmp_path: Path) -> None:
+    """With a shared load table the view is redone from the workers' totals: after this
+    worker's completion the node has its slot back (it was full) and its prefill gone."""
+    table = LoadTable(workers=2, slots=8)
+    pool = NodePool()
+    pool.shared = LoadShare(table, worker=0, lock_file=tmp_path / "lock")
+    node_id = NodeId("a")
+    pool.add(Node(node_id=node_id, url="http://a", models=frozenset({"m"}), slots=1))
+    assert pool.views(now=0.0)[0].has_slot
+    assert pool.acquire(node_id, tokens=10, prefill=5)
+    assert not pool.views(now=0.0)[0].has_slot
+    pool.first_token(node_id, prefill=5)
+    assert pool.views(now=0.0)[0].prefill_tokens == 0
+    pool.release(node_id, tokens=10, failed=False)
+    view = pool.views(now=0.0)[0]
+    assert (view.in_flight, view.in_flight_tokens, view.has_slot) == (0, 0, True)
+    assert pool.observed(now=0.0)[0].in_flight == 0
+
+
+def test_a_view_rebuilt_by_a_status_read_is_rebuilt_for_routing_too() -> None:
+    """The status, the publisher and the autoscaler read ``observed``/``serving``; a view whose
+    time came and that such a read rebuilt (an ejection ended) is rebuilt for routing too."""
+    pool = NodePool()
+    sources = Sources()
+    pool.health = sources
+    pool.telemetry = sources
+    for node_id in NODES[:2]:
+        pool.add(Node(node_id=node_id, url=f"http://{node_id}", models=frozenset({"m"})))
+    sources.ejected_until[NODES[0]] = 5.0
+    pool.notify()
+    assert pool.views(now=1.0).by_id[NODES[0]].health is Health.EJECTED
+    assert [v.node_id for v in pool.serving(now=6.0)] == [NODES[1]]  # A on probation now
+    assert pool.views(now=7.0).by_id[NODES[0]].health is Health.PROBATION
