@@ -191,6 +191,10 @@ class RoutingConfig:
             raise ValueError("RoutingConfig.prefix_ttl_s must be positive")
         if self.meridian_prefill_norm_tokens < 1:
             raise ValueError("RoutingConfig.meridian_prefill_norm_tokens must be at least 1")
+        for name in ("meridian_candidates", "meridian_sampled"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"RoutingConfig.{name} must be a whole number; got {value!r}")
         if self.meridian_sampled < 1:
             raise ValueError("RoutingConfig.meridian_sampled must be at least 1")
         if self.balance_rel_threshold < 1:

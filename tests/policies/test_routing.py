@@ -369,6 +369,18 @@ def test_config_refuses_a_negative_dense_head() -> None:
         routing.RoutingConfig(prefix_dense_head_blocks=-1)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("meridian_sampled", 0), ("meridian_sampled", 8.0), ("meridian_sampled", True),
+     ("meridian_candidates", 2.5)],
+)  # fmt: skip
+def test_config_refuses_a_bounded_set_that_is_not_a_whole_number_of_nodes(
+    field: str, value: object
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        routing.RoutingConfig(**{field: value})  # type: ignore[arg-type]
+
+
 def test_config_refuses_a_zero_stride() -> None:
     with pytest.raises(ValueError, match="prefix_stride_blocks"):
         routing.RoutingConfig(prefix_stride_blocks=0)
@@ -788,7 +800,7 @@ def test_bounded_meridian_keeps_the_cached_prefix_among_many_nodes() -> None:
 
 def test_bounded_meridian_spreads_load_like_power_of_k_choices() -> None:
     """Without prefixes, 4,096 requests over 256 equal nodes of 64 slots: each decision scores
-    16 sampled nodes, and no node ends up far above the mean of 16."""
+    the 8 nodes it draws, and no node ends up far above the mean of 16."""
     policy = routing.create("meridian", CONFIG)
     loads = dict.fromkeys((NodeId(f"n{i}") for i in range(256)), 0)
     rng = random.Random(7)
