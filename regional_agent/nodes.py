@@ -229,11 +229,9 @@ class NodePool:
             or position is None
             or self._panic is None
             or node_id in self._dirty
-            or (view.health, view.admin) != self._built.get(node_id)
+            or not self._place(routing, position, view)
         ):
             self._dirty.add(node_id)  # views() patches it, or builds them all
-            return
-        routing.replace(position, health_policy.routing_view(view, self._panic))
 
     def _expire(self, now: float) -> None:
         """The views whose time has come are rebuilt at the next read, like dirty ones."""
@@ -254,12 +252,20 @@ class NodePool:
             position = self._positions.get(node_id)
             if node is None or position is None:
                 return False
-            view = self._cache(node, now=now)[0]
-            if (view.health, view.admin) != self._built[node_id]:
+            if not self._place(routing, position, self._cache(node, now=now)[0]):
                 self._health_moved = True
                 return False
-            routing.replace(position, health_policy.routing_view(view, self._panic))
             self._dirty.discard(node_id)
+        return True
+
+    def _place(self, routing: NodeViews, position: int, view: NodeView) -> bool:
+        """Put ``view`` at ``position`` in the routing views, as routing shows it (panic);
+        False, and nothing put, when its health or admin state moved since they were built
+        (then they must all be built again)."""
+        assert self._panic is not None
+        if (view.health, view.admin) != self._built.get(view.node_id):
+            return False
+        routing.replace(position, health_policy.routing_view(view, self._panic))
         return True
 
     def panic(self, *, now: float) -> health_policy.Panic:
