@@ -61,6 +61,7 @@ import operator
 import re
 import struct
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -278,6 +279,10 @@ always holds ``max_tokens`` tokens, and the work stays bounded by the characters
 _BACKOFF_CHARS: Final = 1024  # how far back head_cut looks for whitespace to cut at
 _MAX_BOUNDARIES: Final = 1024  # segment boundaries looked at in one prompt (encode_head)
 _LEAD_STATES: Final = 8  # prefix states kept at a prompt's first boundaries (encode_head)
+# a text shorter than this is tokenised whole, without the cache: its keys and states cost more
+# than tokenising it (measured: 27 against 13 us at 128 characters, even near 500; see
+# docs/benchmarks.md, "Router CPU per request")
+CACHE_MIN_CHARS: Final = 512
 
 
 def head_cut(text: str, max_tokens: int) -> int:
@@ -335,7 +340,9 @@ class PrefixCache:
         if max_bytes < 0:
             raise ValueError("max_bytes must be at least 0")
         self.max_bytes = max_bytes
-        self._states: dict[bytes, PrefixState] = {}  # insertion order = recency
+        # least recently used first: an OrderedDict, whose oldest entry is found in O(1) where a
+        # dict's ``next(iter(...))`` scans the slots its evictions left (20 us a put, full)
+        self._states: OrderedDict[bytes, PrefixState] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
@@ -350,9 +357,9 @@ class PrefixCache:
         """The last of ``keys`` that is cached and its state (refreshed), or None; one hit or
         one miss is counted either way."""
         for i in range(len(keys) - 1, -1, -1):
-            state = self._states.pop(keys[i], None)
+            state = self._states.get(keys[i])
             if state is not None:
-                self._states[keys[i]] = state
+                self._states.move_to_end(keys[i])
                 self.hits += 1
                 return i, state
         self.misses += 1
@@ -368,8 +375,7 @@ class PrefixCache:
         self._states[key] = state
         self._bytes += size
         while self._bytes > self.max_bytes:
-            oldest = next(iter(self._states))
-            self._bytes -= self._states.pop(oldest).estimated_bytes()
+            self._bytes -= self._states.popitem(last=False)[1].estimated_bytes()
 
 
 class StateCache(Protocol):
@@ -408,7 +414,10 @@ def encode_head(
     exact when every token of the head was read, else estimated at the characters per token of
     what was read: past the head, and when the cache held a state that already had
     ``max_tokens`` tokens (a prompt whose shared prefix alone fills the head is then not
-    tokenised at all)."""
+    tokenised at all).
+
+    A text of fewer than :data:`CACHE_MIN_CHARS` characters is tokenised whole without the
+    cache, which would cost it more than it saves."""
     if block_size <= 0 or max_tokens <= 0:
         raise ValueError("block_size and max_tokens must be positive")
     cut = head_cut(text, max_tokens)
@@ -423,7 +432,7 @@ def encode_head(
     state = PrefixState(tokens=0, hashes=(), tail=())
     keys: list[bytes] = []
     first = 0
-    if boundaries is None or cache is None:
+    if boundaries is None or cache is None or len(text) < CACHE_MIN_CHARS:
         segments, ends = [head], [len(head)]
     else:
         starts = itertools.islice(boundaries.finditer(head), _MAX_BOUNDARIES)
