@@ -360,3 +360,31 @@ def test_estimated_bytes_bound_what_the_states_really_cost() -> None:
         tracemalloc.stop()
     assert used <= cache.estimated_bytes(), (used, cache.estimated_bytes())
     assert used >= 0.5 * cache.estimated_bytes()  # an upper bound, not a wild one
+
+
+def test_a_short_text_is_tokenised_whole_without_the_cache() -> None:
+    cache = prompt.PrefixCache(max_bytes=1 << 20)
+    kw: dict[str, Any] = {"tokenize": _stand_in, "block_size": 16, "max_tokens": 4096,
+                          "boundaries": _SPECIAL}  # fmt: skip
+    short = prompt.render_chat([{"role": "user", "content": "route me " * 20}])
+    assert len(short) < prompt.CACHE_MIN_CHARS
+    head = prompt.encode_head(short, cache=cache, **kw)
+    assert len(cache) == 0 and cache.hits == cache.misses == 0  # neither read nor written
+    assert head == prompt.encode_head(short, **kw)
+    long = prompt.render_chat([{"role": "user", "content": "route me " * 80}])
+    assert prompt.encode_head(long, cache=cache, **kw) == prompt.encode_head(long, **kw)
+    assert len(cache) > 0 and cache.misses == 1
+
+
+def test_a_full_cache_evicts_the_least_recently_used_first() -> None:
+    state = prompt.PrefixState(tokens=16, hashes=(1,), tail=())
+    cache = prompt.PrefixCache(max_bytes=3 * state.estimated_bytes())
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, state)
+    assert cache.longest([b"a"]) == (0, state)  # a is used: b is now the oldest
+    for key in (b"d", b"e"):
+        cache.put(key, state)
+    assert [cache.longest([k]) is not None for k in (b"a", b"b", b"c", b"d", b"e")] == [
+        True, False, False, True, True
+    ]  # fmt: skip
+    assert len(cache) == 3 and cache.estimated_bytes() == 3 * state.estimated_bytes()
