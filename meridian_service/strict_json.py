@@ -16,6 +16,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+import msgspec
+
 
 class BodyError(ValueError):
     """The body is not JSON a client should send.  ``problem`` reads after "the body"
@@ -65,7 +67,18 @@ def _decoder() -> json.JSONDecoder:
 
 
 def loads(raw: bytes | str) -> object:
-    """``raw`` as JSON; :class:`BodyError` when it is not, or holds what JSON cannot."""
+    """``raw`` as JSON; :class:`BodyError` when it is not, or holds what JSON cannot.
+
+    A body is first decoded by msgspec (several times faster than ``json``; it refuses NaN,
+    Infinity and numbers out of a float's range, as JSON does); a body it refuses is parsed
+    again by ``json`` below, which says what is wrong, or accepts what only msgspec refuses (a
+    UTF-16 body, an escaped lone surrogate, ``1e400`` inside a value: refused below, naming the
+    field)."""
+    if isinstance(raw, bytes):
+        try:
+            return msgspec.json.decode(raw)
+        except (msgspec.MsgspecError, RecursionError):
+            pass
     try:
         return _translated(_fast, raw)
     except _Refused:
