@@ -33,7 +33,6 @@ import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +187,7 @@ class NodeClient:
         # sock_read would also bound the wait for the headers and for the first token; the
         # body's silences are timed by UpstreamResponse instead (module docstring).
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=None)
+        self._default = Timeouts(first_byte_s=first_byte_timeout_s, gap_s=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -252,8 +252,7 @@ class NodeClient:
                 f"node {node_id}: probe {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
 
-    @asynccontextmanager
-    async def post(
+    def post(
         self,
         node_id: str,
         url: str,
@@ -262,30 +261,57 @@ class NodeClient:
         headers: Mapping[str, str],
         timeouts: Timeouts | None = None,
         method: str = "POST",
-    ) -> AsyncIterator[UpstreamResponse]:
-        """POST (or ``method``) and yield once the headers are in; error statuses raise
-        ``UpstreamStatus``.
+    ) -> _Exchange:
+        """POST (or ``method``) and yield once the headers are in (``async with``); error
+        statuses raise ``UpstreamStatus``.
 
         ``timeouts`` replaces the client's first-byte and read timeouts for this call.  Leaving
         the block early closes the connection, which makes vLLM abort the request.
         """
-        t = timeouts or Timeouts(
-            first_byte_s=self._first_byte_timeout_s, gap_s=self._read_timeout_s
-        )
+        return _Exchange(self, node_id, url, body, headers, timeouts or self._default, method)
+
+
+class _Exchange:
+    """:meth:`NodeClient.post`'s context: a class rather than ``@asynccontextmanager``, whose
+    generator is resumed at the start and the end of every request."""
+
+    __slots__ = ("_body", "_client", "_headers", "_method", "_node_id", "_response", "_t",
+                 "_up", "_url")  # fmt: skip
+
+    def __init__(
+        self,
+        client: NodeClient,
+        node_id: str,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeouts: Timeouts,
+        method: str,
+    ) -> None:
+        self._client = client
+        self._node_id = node_id
+        self._url = url
+        self._body = body
+        self._headers = headers
+        self._t = timeouts
+        self._method = method
+        self._response: aiohttp.ClientResponse | None = None
+        self._up: UpstreamResponse | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        node_id, url, method, body, t = self._node_id, self._url, self._method, self._body, self._t
         deadline = asyncio.get_running_loop().time() + t.first_byte_s
         try:
             async with asyncio.timeout_at(deadline):
-                # aiohttp copies a large bytes body in one go on the loop (and warns); a stream
-                # of it is written in chunks
                 data = io.BytesIO(body) if len(body) > _LARGE_BODY_BYTES else body
-                response = await self.session.request(
+                response = await self._client.session.request(
                     method, url, data=data if body or method != "GET" else None,
-                    headers=dict(headers),
+                    headers=dict(self._headers),
                 )  # fmt: skip
         except aiohttp.ConnectionTimeoutError as exc:
             raise UpstreamUnavailable(
                 f"node {node_id}: {method} {url} could not connect within connect_timeout_s "
-                f"{self._connect_timeout_s:g} s",
+                f"{self._client._connect_timeout_s:g} s",
                 node_id=node_id,
             ) from exc
         except TimeoutError as exc:
@@ -298,8 +324,9 @@ class NodeClient:
             raise UpstreamUnavailable(
                 f"node {node_id}: {method} {url} failed: {_why(exc)}", node_id=node_id
             ) from exc
-        try:
-            if response.status >= 400:
+        self._response = response
+        if response.status >= 400:
+            try:
                 try:
                     payload = await response.read()
                 except _CONNECTION_ERRORS:
@@ -311,16 +338,23 @@ class NodeClient:
                     body=payload,
                     content_type=response.headers.get("Content-Type", "application/json"),
                 )
-            up = UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
-            try:
-                yield up
             finally:
-                up._close_timer()
-        finally:
-            if response.content.at_eof():
-                response.release()  # fully read: the connection goes back to the pool
-            else:
-                response.close()  # abandoned mid-body: closing it makes the node abort
+                self._done(response)
+        self._up = UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
+        return self._up
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._up is not None:
+            self._up._close_timer()
+        if self._response is not None:
+            self._done(self._response)
+
+    @staticmethod
+    def _done(response: aiohttp.ClientResponse) -> None:
+        if response.content.at_eof():
+            response.release()  # fully read: the connection goes back to the pool
+        else:
+            response.close()  # abandoned mid-body: closing it makes the node abort
 
 
 async def sibling_call(
