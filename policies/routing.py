@@ -915,26 +915,16 @@ class _Meridian(_Indexed):
         matches: list[int] | None = None,
     ) -> Decision:
         # The class docstring's cost, term by term in its order (the same floats: each sum is
-        # taken left to right as written there), with the config's weights and each node's
-        # warm-up and capacity read once: a candidate costs two loop bodies, no call.
+        # taken left to right as written there), with the config's weights read once.  One pass
+        # over the candidates reads each node once: the sum of the three terms before the
+        # tokens term, the tokens ratio and the three terms after it; the second pass, once the
+        # largest ratio is known, adds them in the same order.  No call per candidate.
         cfg = self._config
         if matches is None:
             matches = self._matches(request, ready, now)
         blocks = len(request.block_hashes)
         request_tokens = request.prompt_tokens + request.max_tokens
         floor = cfg.slow_start_floor
-        warm: list[float] = []
-        caps: list[float] = []
-        tok: list[float] = []
-        for n in ready:  # _warm and max(weight, _MIN_WEIGHT), inline
-            w = n.slow_start if n.slow_start > floor else floor
-            if w > 1.0:
-                w = 1.0
-            cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
-            warm.append(w)
-            caps.append(cap)
-            tok.append((n.in_flight_tokens + request_tokens) / cap)
-        tok_max = max(max(tok), 1e-12)
         neg_prefix = -cfg.meridian_prefix_weight
         queue_w = cfg.meridian_queue_weight
         kv_w = cfg.meridian_kv_weight
@@ -946,8 +936,16 @@ class _Meridian(_Indexed):
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
         probation = Health.PROBATION
-        costs: list[float] = []
-        for n, w, cap, matched, t in zip(ready, warm, caps, matches, tok, strict=True):
+        parts: list[tuple[float, float, float, float, float]] = []
+        tok_max = 1e-12
+        for n, matched in zip(ready, matches, strict=True):
+            w = n.slow_start if n.slow_start > floor else floor  # _warm, inline
+            if w > 1.0:
+                w = 1.0
+            cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
+            t = (n.in_flight_tokens + request_tokens) / cap
+            if t > tok_max:
+                tok_max = t
             telemetry = n.telemetry
             own = prompt_tokens - matched * block_tokens
             if own < 0:
@@ -957,15 +955,21 @@ class _Meridian(_Indexed):
             else:
                 waiting, kv = telemetry.waiting, telemetry.kv_util
             slots = n.slots if n.slots > 1 else 1
-            costs.append(
-                neg_prefix * (matched / blocks if blocks else 0.0)
-                + queue_w * (n.in_flight + waiting + 1) / (slots * w)
-                + kv_w * (kv + (1.0 if kv >= kv_high else 0.0))
-                + tokens_w * t / tok_max
-                + prefill_scale * (n.prefill_tokens + own) / cap
-                + probation_w * (n.health is probation)
-                + unknown_w * (telemetry is None)
+            parts.append(
+                (
+                    neg_prefix * (matched / blocks if blocks else 0.0)
+                    + queue_w * (n.in_flight + waiting + 1) / (slots * w)
+                    + kv_w * (kv + (1.0 if kv >= kv_high else 0.0)),
+                    t,
+                    prefill_scale * (n.prefill_tokens + own) / cap,
+                    probation_w * (n.health is probation),
+                    unknown_w * (telemetry is None),
+                )
             )
+        costs = [
+            head + tokens_w * t / tok_max + prefill + on_probation + unknown
+            for head, t, prefill, on_probation, unknown in parts
+        ]
         lowest = min(costs)
         bound = lowest + _TIE
         tied = [i for i, c in enumerate(costs) if c <= bound]
