@@ -330,6 +330,9 @@ class PrefixState:
         return 480 + 44 * len(self.hashes) + 36 * len(self.tail)
 
 
+_NO_STATE: Final = PrefixState(tokens=0, hashes=(), tail=())  # a text's start
+
+
 class PrefixCache:
     """Prefix states by a digest of the rendered text they cover, least recently used first
     out, holding at most ``max_bytes`` (:meth:`PrefixState.estimated_bytes`).
@@ -429,7 +432,7 @@ def encode_head(
                 break
     head = text[:cut] if cut < len(text) else text
     whole = cut == len(text)
-    state = PrefixState(tokens=0, hashes=(), tail=())
+    state = _NO_STATE
     keys: list[bytes] = []
     first = 0
     if boundaries is None or cache is None or len(text) < CACHE_MIN_CHARS:
