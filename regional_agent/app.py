@@ -470,7 +470,6 @@ def _spawn(name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 async def _drain_loop(edge: Edge) -> None:
     """Draining nodes: report when empty; past the drain timeout, cut what is still running."""
     timeout_s = edge.settings.health.drain_timeout_s
-    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(0.1)
         now = edge.clock.now()
@@ -480,6 +479,5 @@ async def _drain_loop(edge: Edge) -> None:
             if now - node.drain_started_s < timeout_s:
                 continue
             for lease in edge.dispatcher.leases(node.node_id):
-                if lease.timeout is not None and lease.timeout.when() is None:
+                if lease.cut_off():
                     log.warning("drain timeout: cutting request node=%s", node.node_id)
-                    lease.timeout.reschedule(loop.time())

@@ -1049,17 +1049,27 @@ async def _one_attempt(
     if node is None:  # removed while we waited
         raise UpstreamUnavailable(f"node {lease.node_id} was removed", node_id=lease.node_id)
     url, hop = node.endpoint(path), _Hop(lease.node_id, lease)
+    # A drain past its timeout cancels this task (Lease.cut_off), as asyncio.timeout would,
+    # without a timeout's context for every request: its cancel is taken back here.
+    task = asyncio.current_task()
+    assert task is not None
+    lease.task, lease.cancelling = task, task.cancelling()
+    taken_back = False
     try:
-        async with asyncio.timeout(None) as timeout:
-            lease.timeout = timeout  # a drain that runs out of time reschedules it
-            return await _exchange(request, agent, parsed, url, headers, hop, arrived)
-    except TimeoutError:
-        if lease.timeout is not None and lease.timeout.expired():
-            raise UpstreamUnavailable(
-                f"node {lease.node_id} was drained and the request ran past the drain timeout",
-                node_id=lease.node_id,
-            ) from None
+        return await _exchange(request, agent, parsed, url, headers, hop, arrived)
+    except asyncio.CancelledError:
+        if lease.cut:
+            taken_back = True
+            if task.uncancel() <= lease.cancelling:  # the drain's cancel, no one else's
+                raise UpstreamUnavailable(
+                    f"node {lease.node_id} was drained and the request ran past the drain timeout",
+                    node_id=lease.node_id,
+                ) from None
         raise
+    finally:
+        lease.task = None
+        if lease.cut and not taken_back:
+            task.uncancel()  # a stream that caught the cut ended itself with an error event
 
 
 def _stall_timeouts(agent: Edge, parsed: _Parsed) -> Timeouts:
@@ -1092,8 +1102,7 @@ class _Hop:
 
     def draining(self) -> bool:
         """Whether a drain ran the attempt past its timeout (nodes only)."""
-        timeout = None if self.lease is None else self.lease.timeout
-        return timeout is not None and timeout.expired()
+        return self.lease is not None and self.lease.cut
 
 
 async def _exchange(

@@ -23,6 +23,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from meridian_service.clock import Clock
 from policies import admission, routing
@@ -48,7 +49,19 @@ class Lease:
     policy: str
     _dispatcher: Dispatcher
     released: bool = False
-    timeout: asyncio.Timeout | None = None  # set by the proxy; drain reschedules it
+    task: asyncio.Task[Any] | None = None  # the proxy's, while an attempt is at the node
+    cancelling: int = 0  # the task's cancel requests when the attempt began
+    cut: bool = False  # a drain's timeout cancelled the attempt (cut_off)
+
+    def cut_off(self) -> bool:
+        """A drain ran out of time: cancel the attempt at the node, which the proxy turns into
+        a node failure (retried elsewhere before the first byte, else the stream's error
+        event).  ``False`` when no attempt is running or it was cut already."""
+        if self.task is None or self.cut:
+            return False
+        self.cut = True
+        self.task.cancel()
+        return True
 
     def first_token(self) -> None:
         """The node sent the first token: the prefill counted for this request is done."""

@@ -640,6 +640,31 @@ async def test_drain_timeout_cuts_a_stuck_request_and_retries_it_elsewhere(
     assert await _metric(spare, "vllm:request_success_total") == 1
 
 
+async def test_drain_timeout_ends_a_stuck_stream_with_an_error_event(
+    sim_node: NodeFactory, start_agent: AgentFactory
+) -> None:
+    """A stream whose first bytes reached the client cannot be retried: past the drain timeout
+    it ends with an OpenAI-style error event naming the drain, and the node is drained."""
+    (stuck,) = await _nodes(sim_node, 1)
+    handle = await start_agent([stuck], health={"drain_timeout_s": 0.3})
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        await s.post(f"{stuck}/admin/faults", json={"latency_multiplier": 50.0})
+        async with s.post(f"{handle.url}/v1/completions", json=body) as r:
+            assert r.status == 200
+            first = await r.content.readany()
+            assert first.startswith(b"data:")
+            await s.post(f"{stuck}/admin/faults", json={"hang": True})  # stops mid-stream
+            stuck_id = (await _admin_nodes(handle))[stuck]["id"]
+            async with s.post(f"{handle.url}/admin/nodes/{stuck_id}/drain", headers=ADMIN) as d:
+                assert (await d.json())["admin"] == "draining"
+            rest = await asyncio.wait_for(r.content.read(), timeout=5)
+        assert b'"ServiceUnavailableError"' in rest and b"drain timeout" in rest, rest[-300:]
+        nodes = await _admin_nodes(handle)
+        await s.delete(f"{stuck}/admin/faults")
+    assert nodes[stuck]["admin"] == "drained" and nodes[stuck]["in_flight"] == 0
+
+
 async def test_prefill_ahead_is_counted_until_the_first_token(
     sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:
