@@ -149,12 +149,12 @@ class Dispatcher:
                 f"no node can serve `{request.model}` now: all are drained, ejected or "
                 "unhealthy (or already failed this request)"
             )
-        item = admission.Waiting(seq=next(self._seq), priority=request.priority, enqueued_s=now)
         # fast path: nobody of the same model is ahead, try to route right now
         if not any(w.request.model == request.model for w in self._waiting.values()):
             lease = self._try_route(request, exclude, tokens, enqueued_s=now, views=views)
             if lease is not None:
                 return lease
+        item = admission.Waiting(seq=next(self._seq), priority=request.priority, enqueued_s=now)
         full = not admission.admit(self.depth(request.model), max_depth=self._settings.max_depth)
         if full and not self._shed_for(request, now=now):
             self.stats.rejected["queue-full"] += 1
