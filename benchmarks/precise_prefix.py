@@ -17,8 +17,8 @@ cache.  Writes ``precise_prefix.{json,md,png}``.
         [--delay-s 0.05] [--jobs 2] [--out-dir benchmarks/results]
         [--only oracle --keep benchmarks/results/precise_prefix.json]
 
-``--only LABELS`` runs only those variants (``meridian precise``, ``oracle``, ...) and takes the
-other rows from ``--keep``, an earlier run's JSON with the same settings (runs are
+``--only LABELS`` runs only those variants (``meridian precise``, ``oracle``, ...) and, with
+``--keep``, takes the other rows from an earlier run's JSON with the same settings (runs are
 deterministic: a variant whose code did not change gives the same row again).
 """
 
@@ -86,10 +86,10 @@ def main() -> int:
         for pol, precise in VARIANTS
     ]
     kept: list[dict[str, Any]] = []
-    if args.only is not None:
-        only = {x.strip() for x in args.only.split(",")}
-        if args.keep is None:
-            raise SystemExit("--only needs --keep, the earlier run's JSON for the other rows")
+    only = None if args.only is None else {x.strip() for x in args.only.split(",")}
+    if only is not None and args.keep is None:
+        tasks = [t for t in tasks if _label(t.policy, t.kv_events) in only]  # those rows alone
+    elif only is not None:
         earlier = json.loads(args.keep.read_text())
         for key in ("num_gpu_blocks", "kv_event_delay_s", "window_s", "trace"):
             if earlier["meta"][key] != {"num_gpu_blocks": blocks, "kv_event_delay_s":

@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -58,7 +59,7 @@ import _peers
 import _trace_prompts
 import agent_overhead as ao
 
-from meridian_sim import offline, profile
+from meridian_sim import offline, profile, workloads
 from meridian_sim.workloads import TraceRequest
 from policies import prompt
 
@@ -119,6 +120,27 @@ def prepare(
             )
         )
     return out, tokens
+
+
+def system_prompt_rows(n: int, *, seed: int) -> list[TraceRequest]:
+    """The first ``n`` requests of synthetic multi-turn chat sessions, each opening with one of
+    32 system prompts of 512 to 4,096 tokens chosen by a Zipf law (s = 1.1), then turns of about
+    200 user and 300 answer tokens, every answer part of the next turn's prompt, a session ending
+    before its prompt would pass 8,000 tokens (``meridian_sim.workloads.synthetic``), in 512-token
+    blocks as the Mooncake rows are (so a turn adds two blocks): the workload where a shared
+    system prompt, not a long conversation, is the prefix to keep."""
+    rows: list[TraceRequest] = []
+    duration_s = 600.0
+    while len(rows) < n:
+        rows = workloads.synthetic(
+            duration_s=duration_s,
+            sessions_per_s=1.0,
+            rng=random.Random(seed),
+            max_input_tokens=8_000,  # a session ends before the 8k context would cut it
+            block_tokens=_trace_prompts.TRACE_BLOCK_TOKENS,
+        )
+        duration_s *= 2
+    return rows[:n]
 
 
 def reuse_bound(tokens: Sequence[tuple[int, ...]], *, block_size: int) -> float:
@@ -534,7 +556,7 @@ def _f(x: float, spec: str) -> str:
 
 def table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     lines = [
-        f"Mooncake conversation trace, {meta['requests']} requests from row {meta['skip']}, "
+        f"{meta.get('workload') or 'Mooncake conversation trace'}, "
         f"{meta['nodes']} x `{meta['profile']}` at time scale {meta['time_scale']:g}; "
         f"fleet capacity {meta['capacity']['fleet_requests_per_s']:.2f} req/s (simulated), "
         f"reuse bound (one node, infinite cache) {meta['reuse_bound']:.1%}. "
@@ -655,6 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short slice: minutes in all")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument(
+        "--workload",
+        choices=("mooncake", "system-prompts"),
+        default="mooncake",
+        help="mooncake: rows of --trace; system-prompts: synthetic multi-turn sessions over 32 "
+        "shared system prompts (meridian_sim.workloads.synthetic, 512-token blocks, seeded)",
+    )
     parser.add_argument("--requests", type=int, help="trace rows (default 300 quick, 600 full)")
     parser.add_argument("--skip", type=int, default=0, help="trace rows to skip first")
     parser.add_argument(
@@ -678,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_requests = args.requests or (300 if args.quick else 600)
     loads = [float(x) for x in (args.loads or ("0.8" if args.quick else "0.5,0.8,0.95")).split(",")]
     routers = parse_routers(args.routers or default_routers(args.quick))
-    if not args.trace.exists():
+    if args.workload == "mooncake" and not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}; pass --trace PATH")
 
     # SIGTERM ends the run like Ctrl-C does, so the children are stopped in `finally`
@@ -688,9 +717,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out_dir / "routing_quality.partial.jsonl").unlink(missing_ok=True)
     started = time.perf_counter()
     load_start = os.getloadavg()
-    log(f"load average at start {load_start}; reading {args.trace}")
     sample_n = max(n_requests, args.capacity_sample)
-    rows_all = _trace_prompts.read_rows(args.trace, limit=sample_n, skip=args.skip)
+    if args.workload == "mooncake":
+        log(f"load average at start {load_start}; reading {args.trace}")
+        rows_all = _trace_prompts.read_rows(args.trace, limit=sample_n, skip=args.skip)
+        workload = f"Mooncake conversation trace, {n_requests} requests from row {args.skip}"
+    else:
+        log(f"load average at start {load_start}; synthetic system-prompt sessions")
+        rows_all = system_prompt_rows(sample_n + args.skip, seed=args.seed)[args.skip :]
+        workload = (
+            f"synthetic sessions over 32 shared system prompts, {n_requests} requests from row "
+            f"{args.skip}"
+        )
     log(f"building {n_requests} prompts...")
     builder = _trace_prompts.PromptBuilder(seed=args.seed)
     reqs, tokens = prepare(
@@ -751,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meta = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(argv or sys.argv[1:])]),
-        "trace": str(args.trace),
+        "workload": workload,
+        "trace": str(args.trace) if args.workload == "mooncake" else args.workload,
         "requests": n_requests,
         "skip": args.skip,
         "prompts_cut_to_context": clipped,
@@ -783,10 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out_dir / "routing_quality.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     if rows:
-        title = (
-            f"Mooncake conversation trace, {n_requests} rows, {args.nodes} x {args.profile} at "
-            f"time scale {args.time_scale:g}"
-        )
+        title = f"{workload}, {args.nodes} x {args.profile} at time scale {args.time_scale:g}"
         plot(rows, args.out_dir / "routing_quality.png", title=title, bound=bound)
     log(f"done in {meta['elapsed_s']:.0f} s; wrote {args.out_dir}/routing_quality.{{json,md,png}}")
     return 0
