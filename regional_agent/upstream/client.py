@@ -303,6 +303,8 @@ class _Exchange:
         deadline = asyncio.get_running_loop().time() + t.first_byte_s
         try:
             async with asyncio.timeout_at(deadline):
+                # aiohttp copies a large bytes body in one go on the loop (and warns); a stream
+                # of it is written in chunks
                 data = io.BytesIO(body) if len(body) > _LARGE_BODY_BYTES else body
                 response = await self._client.session.request(
                     method, url, data=data if body or method != "GET" else None,
