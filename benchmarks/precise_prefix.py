@@ -199,7 +199,7 @@ def plot(rows: list[dict[str, Any]], path: Path, *, sizes: list[int]) -> None:
         print("matplotlib not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
         return
     by = {_key(r): r for r in rows}
-    labels = [_label(p, k) for p, k in VARIANTS]
+    labels = [lb for lb in (_label(p, k) for p, k in VARIANTS) if any(k[1] == lb for k in by)]
     fig, (hit_ax, p99_ax) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
