@@ -77,7 +77,7 @@ def loads(raw: bytes | str) -> object:
     if isinstance(raw, bytes):
         try:
             return msgspec.json.decode(raw)
-        except (msgspec.MsgspecError, RecursionError):
+        except (msgspec.MsgspecError, RecursionError, ValueError):  # ValueError: bad UTF-8
             pass
     try:
         return _translated(_fast, raw)

@@ -1160,7 +1160,7 @@ def _answer(data: bytes) -> object:
     ``-Infinity`` logprob, or its error)."""
     try:
         return msgspec.json.decode(data)
-    except (msgspec.MsgspecError, RecursionError):
+    except (msgspec.MsgspecError, RecursionError, ValueError):  # ValueError: bad UTF-8
         return json.loads(data)
 
 
