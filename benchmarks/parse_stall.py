@@ -15,11 +15,19 @@ time.  Per request, the loop's longest stall from just before the request is sen
 is one sample; each prompt is new (a number first), so nothing comes from the prefix cache,
 except in the "shared system prompt" rows, where the N words are the system prompt of every
 request and only a short question differs.  "idle" is the same window with no request.  The
-prompts are words of this repository's docs/*.md, in order.  The parse CPU time per request
-(``handlers._parse_body`` alone, no loop) is given too.
+prompts are words of this repository's docs/*.md, in order; a "short prompt" row (one
+sentence) is the reference for what a long one adds.  The parse CPU time per request
+(``handlers._parse_body`` alone, no loop) is given too, and the loop's own CPU per request (the
+event-loop thread's CPU clock around each request, in another pass without the ticker).
+
+On two cores or more the loop thread runs alone on the last core and the node process and the
+agent's other threads (the parse thread, the client) on core 0, as in a deployment where the
+agent has its own cores and the nodes are other machines; ``--no-pin`` leaves them all to the
+scheduler (on a 2-core host the node's parse of each forwarded prompt then competes with the
+loop, and the stall measures the host as much as the agent).
 
     python benchmarks/parse_stall.py [--quick] [--words 400,800,2000,3200,12800] [--reps 30]
-        [--model-dir tests/fixtures/tiny-llama] [--out-dir benchmarks/results]
+        [--model-dir tests/fixtures/tiny-llama] [--out-dir benchmarks/results] [--no-pin]
 
 ``--model-dir``: a Hugging Face model directory (tokenizer.json, chat_template.jinja or
 tokenizer_config.json); the default is the tiny test model's 2,048-token BPE, which makes about
@@ -34,10 +42,12 @@ import asyncio
 import http.client
 import json
 import logging
+import os
 import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +107,7 @@ class Ticker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
 
 
 def _post(port: int, body: bytes) -> int:
@@ -123,18 +134,32 @@ async def serve(settings: Settings) -> tuple[web.AppRunner, int, web.Application
 
 
 async def measure(
-    settings: Settings, bodies: list[bytes], fresh: list[bytes], *, idle: bool = False
-) -> tuple[list[float], float, int]:
-    """The loop's worst stall per request (ms), the parse CPU per request (ms), and the first
-    prompt's tokens as the agent counts them.  ``fresh``: bodies not sent, for the CPU time
-    (a body parsed before would come from the prefix cache)."""
+    settings: Settings,
+    bodies: list[bytes],
+    fresh: list[bytes],
+    unseen: list[bytes],
+    *,
+    idle: bool = False,
+    pin: bool = False,
+) -> tuple[list[float], float, float, int]:
+    """The loop's worst stall per request (ms), the parse CPU per request (ms), the loop's CPU
+    per request (ms) and the first prompt's tokens as the agent counts them.  ``fresh``: bodies
+    not sent, for the parse CPU; ``unseen``: bodies sent without the ticker, for the loop's CPU
+    (a body parsed before would come from the prefix cache).  ``pin``: the loop on the last
+    core, the agent's other threads (the parse thread, the client) on core 0 with the node."""
     runner, port, app = await serve(settings)
     ticker = Ticker()
-    ticker.start()
     loop = asyncio.get_running_loop()
-    stalls = []
+    loop_clock = time.pthread_getcpuclockid(threading.get_ident())
+    everywhere = os.sched_getaffinity(0)
+    stalls, loop_cpu = [], []
     try:
+        if pin:  # threads started from here on inherit core 0
+            os.sched_setaffinity(0, {0})
         await loop.run_in_executor(None, _post, port, bodies[0])  # warm: threads, connections
+        if pin:
+            os.sched_setaffinity(0, {max(everywhere)})
+        ticker.start()
         for body in bodies:
             await asyncio.sleep(0.02)
             ticker.reset()
@@ -145,6 +170,15 @@ async def measure(
                 # 400: the node's, for a prompt past its 8k context (the agent parsed it first)
                 assert status in (200, 400), status
             stalls.append(ticker.worst * 1000)
+        await ticker.stop()
+        for body in unseen:
+            await asyncio.sleep(0.005)
+            started_cpu = time.clock_gettime(loop_clock)
+            if idle:
+                await asyncio.sleep(0.002)
+            else:
+                await loop.run_in_executor(None, _post, port, body)
+            loop_cpu.append((time.clock_gettime(loop_clock) - started_cpu) * 1000)
         edge = app[EDGE]
         started = time.process_time()
         for body in fresh:
@@ -153,8 +187,9 @@ async def measure(
         view = handlers._parse_body(bodies[0], {}, settings, kind="chat", prompts=edge.prompts).view
     finally:
         await ticker.stop()
+        os.sched_setaffinity(0, everywhere)
         await runner.cleanup()
-    return stalls, cpu_ms, view.prompt_tokens
+    return stalls, cpu_ms, statistics.median(loop_cpu), view.prompt_tokens
 
 
 def chat(messages: list[dict[str, str]]) -> bytes:
@@ -164,6 +199,8 @@ def chat(messages: list[dict[str, str]]) -> bytes:
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     logdir = Path(tempfile.mkdtemp(prefix="parse-stall-"))
     node = ao.spawn_node(0, profile="h100-llama3-8b", time_scale=1000, logdir=logdir)
+    if args.pin:
+        os.sched_setaffinity(node.proc.pid, {0})
     rows: list[dict[str, Any]] = []
     try:
         url = ao.wait_ready(node)
@@ -178,35 +215,41 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "model": {"model_dir": str(args.model_dir)},
         }
         nothing = [chat([{"role": "user", "content": "x"}])] * args.reps
-        idle, _, _ = await measure(Settings(**base), nothing, nothing, idle=True)
+        idle, _, idle_cpu, _ = await measure(
+            Settings(**base), nothing, nothing, nothing, idle=True, pin=args.pin
+        )
         rows.append({"prompt": "idle loop", "words": 0, "tokenizer": "", "where": "",
-                     **summary(idle), "parse_cpu_ms": 0.0})  # fmt: skip
+                     **summary(idle), "parse_cpu_ms": 0.0,
+                     "loop_cpu_ms": round(idle_cpu, 3)})  # fmt: skip
+        question = "What does the agent do when a node stops answering?"
+        kinds: list[tuple[str, int, Callable[[int, str], list[dict[str, str]]]]] = [
+            ("short prompt", 0, lambda i, t: [{"role": "user", "content": f"{i} {question}"}]),
+        ]
         for n in args.words:
-            text = words(n)
-            kinds: dict[str, Callable[[int], list[dict[str, str]]]] = {
-                "new prompt": lambda i, t=text: [{"role": "user", "content": f"{i} {t}"}],
-                "shared system prompt": lambda i, t=text: [
+            kinds.append(("new prompt", n, lambda i, t: [{"role": "user", "content": f"{i} {t}"}]))
+            if n == args.shared_words:
+                kinds.append(("shared system prompt", n, lambda i, t: [
                     {"role": "system", "content": t},
                     {"role": "user", "content": f"question {i}?"},
-                ],
-            }
-            for kind, make in kinds.items():
-                if kind == "shared system prompt" and n != args.shared_words:
-                    continue
-                bodies = [chat(make(i)) for i in range(args.reps)]
-                fresh = [chat(make(i)) for i in range(args.reps, 2 * args.reps + 1)]
-                for name, tok in tokenizers.items():
-                    for where, offload in (("inline", 1 << 30), ("parse thread", 0)):
-                        settings = Settings(
-                            **base, tokenizer=tok, parse={"offload_min_bytes": offload}
-                        )
-                        stalls, cpu_ms, tokens = await measure(settings, bodies, fresh)
-                        row = {"prompt": kind, "words": n, "bytes": len(bodies[0]),
-                               "tokens": tokens, "tokenizer": name, "where": where,
-                               **summary(stalls),
-                               "parse_cpu_ms": round(cpu_ms, 2)}  # fmt: skip
-                        rows.append(row)
-                        log(json.dumps(row))
+                ]))  # fmt: skip
+        for kind, n, make in kinds:
+            text = words(n)
+            reps = args.reps
+            bodies = [chat(make(i, text)) for i in range(reps)]
+            fresh = [chat(make(i, text)) for i in range(reps, 2 * reps + 1)]
+            unseen = [chat(make(i, text)) for i in range(2 * reps + 1, 3 * reps + 1)]
+            for name, tok in tokenizers.items():
+                for where, offload in (("inline", 1 << 30), ("parse thread", 0)):
+                    settings = Settings(**base, tokenizer=tok, parse={"offload_min_bytes": offload})
+                    stalls, cpu_ms, loop_cpu, tokens = await measure(
+                        settings, bodies, fresh, unseen, pin=args.pin
+                    )
+                    row = {"prompt": kind, "words": n, "bytes": len(bodies[0]),
+                           "tokens": tokens, "tokenizer": name, "where": where,
+                           **summary(stalls), "parse_cpu_ms": round(cpu_ms, 2),
+                           "loop_cpu_ms": round(loop_cpu, 3)}  # fmt: skip
+                    rows.append(row)
+                    log(json.dumps(row))
     finally:
         ao.stop_all([node])
     return rows
@@ -227,18 +270,24 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         f"benchmarks/parse_stall.py, {args.reps} requests a row, model tokenizer: "
         f"`{args.model_dir}`. Stall: the loop's longest lateness (ms) from sending a request to "
-        "its answer; parse CPU: ms per request of `_parse_body` alone.",
+        "its answer; parse CPU: ms per request of `_parse_body` alone; loop CPU: the event "
+        "loop thread's CPU ms per request (median; another pass, without the ticker). "
+        + (
+            "The loop on its own core, the node and the agent's other threads on core 0."
+            if args.pin
+            else "No pinning."
+        ),
         "",
         "| prompt | words | bytes | tokens | tokenizer | parsed | stall median | p90 | max "
-        "| parse CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| parse CPU | loop CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['prompt']} | {r['words']} | {r.get('bytes', '')} | {r.get('tokens', '')} | "
             f"{r['tokenizer']} | "
             f"{r['where']} | {r['stall_median_ms']} | {r['stall_p90_ms']} | {r['stall_max_ms']} | "
-            f"{r['parse_cpu_ms']} |"
+            f"{r['parse_cpu_ms']} | {r['loop_cpu_ms']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -251,7 +300,16 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--model-dir", type=Path, default=ROOT / "tests" / "fixtures" / "tiny-llama")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave every thread to the scheduler (by default, on two cores or more, "
+        "the loop has the last core and the node and the agent's other threads "
+        "core 0, as an agent with its own cores and the nodes on other machines)",
+    )
     args = p.parse_args()
+    args.pin = args.pin and len(os.sched_getaffinity(0)) >= 2
     args.words = [int(w) for w in args.words.split(",")]
     if args.quick:
         args.words, args.reps = [2000], 10

@@ -468,6 +468,30 @@ async def test_three_maximum_size_prompts_do_not_stall_health_or_other_clients(
     )
 
 
+@pytest.mark.parametrize("before", [0.005, 0.0001])
+async def test_the_first_large_body_lowers_the_gil_switch_interval_and_never_raises_it(
+    sim_node: NodeFactory, start_agent: AgentFactory, before: float
+) -> None:
+    """The parse thread starts with the first body of parse.offload_min_bytes or more, and with
+    it the switch interval drops to 0.2 ms (regional_agent/edge.py), so the loop waits at most
+    that long for the GIL after each syscall while the thread tokenises; a lower interval set
+    by the process is kept."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(before)
+    try:
+        # the simulated node's context is 512 tokens: a lower threshold, not a longer body
+        url = await _agent(sim_node, start_agent, parse={"offload_min_bytes": 300})
+        await _serves(url)  # a small body: parsed on the loop, no thread yet
+        assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)
+        body = {"model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "word " * 60}]}  # fmt: skip
+        async with aiohttp.ClientSession() as s, s.post(f"{url}{CHAT}", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert sys.getswitchinterval() == pytest.approx(min(before, 0.0002), abs=2e-6)
+    finally:
+        sys.setswitchinterval(saved)
+
+
 async def test_a_prompt_past_prefix_max_tokens_routes_on_its_head_and_is_forwarded_whole(
     sim_node: NodeFactory, start_agent: AgentFactory
 ) -> None:
