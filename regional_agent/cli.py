@@ -38,7 +38,7 @@ from typing import Any
 
 import pydantic
 
-from meridian_service import checkconfig, logs, loops, serving, version
+from meridian_service import checkconfig, gc_tuning, logs, loops, serving, version
 from meridian_service.tls import ServerTls, TlsError
 from regional_agent import prompts as prompts_module
 from regional_agent import settings as agent_settings
@@ -187,6 +187,7 @@ async def _serve(
         # in every worker, before the supervisor hears it is ready (it forwards SIGHUP)
         with contextlib.suppress(NotImplementedError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_signal, app)
+        gc_tuning.settle(settings.server.gc_young_threshold)  # start-up is done: freeze it
         if worker is not None:
             log.info("worker listening pid=%d workers=%d", os.getpid(), worker.count)
             worker.announce_ready()

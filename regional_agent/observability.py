@@ -62,7 +62,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NoOpTracer, Tracer
 from prometheus_client import CollectorRegistry, generate_latest
 
-from meridian_service import otlp, version
+from meridian_service import gc_tuning, otlp, version
 from meridian_service.metrics import Histogram, labelled
 from policies import admission, prompt
 from policies.model import Health
@@ -327,6 +327,32 @@ class Instruments:
             callbacks=[labelled(self._discovery_failures, ("source", "cause"))],
             description="DNS discovery resolutions that failed or came back empty and so "
             "changed nothing, by source (dns:<name>) and cause.",
+        )
+
+        # the cyclic garbage collector's pauses (meridian_service.gc_tuning), per process
+        gc_tuning.PAUSES.install()
+        pauses = gc_tuning.PAUSES
+
+        meter.create_observable_counter(
+            "meridian_agent_gc_collections",
+            callbacks=[
+                lambda _: [
+                    Observation(pauses.collections[g], {"generation": str(g)})
+                    for g in gc_tuning.GENERATIONS
+                ]
+            ],
+            description="Collections of the cyclic garbage collector, by generation (2: full).",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_gc_pause_seconds",
+            callbacks=[
+                lambda _: [
+                    Observation(pauses.seconds[g], {"generation": str(g)})
+                    for g in gc_tuning.GENERATIONS
+                ]
+            ],
+            description="Seconds the process stood still in the cyclic garbage collector, by "
+            "generation (2: full).",
         )
 
         def connected_cb(_: CallbackOptions) -> Iterable[Observation]:

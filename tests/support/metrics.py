@@ -71,7 +71,7 @@ def documented(prefix: str) -> dict[str, tuple[str, set[str]]]:
 
 def base(name: str) -> str:
     """A Prometheus name without the suffixes the exporter adds (the instrument's name)."""
-    return re.sub(r"(_total|_seconds)$", "", name)
+    return re.sub(r"(_seconds)?(_total)?$", "", name)  # a counter of seconds: _seconds_total
 
 
 def instrument_names(source: Path, prefix: str) -> set[str]:
