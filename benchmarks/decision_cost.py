@@ -10,7 +10,10 @@ requests, each with 4 blocks of its own.  Each decision is timed from ``pool.vie
 (``pool.acquire``, ``observe_routed``) and the oldest in flight completes (``pool.release``), so
 views change between decisions as they do in the agent: about 8 requests in flight per node.
 That bookkeeping after the decision (the kept views' updates and the prefix index's insert) is
-timed too, apart ("bookkeeping"): the views are updated there, not in the decision.
+timed too, apart ("bookkeeping"): the views are updated there, not in the decision.  The
+garbage collector is settled first as the agent settles it once listening (``gc.freeze`` and a
+young threshold of 50,000, ``meridian_service.gc_tuning``; ``--gc-young-threshold 0`` for
+CPython's 700, under which a young collection lands in about one decision in a hundred).
 
 Variants: ``meridian`` (the default: a bounded candidate set above
 ``meridian_candidates`` = 16 routable nodes) and ``meridian-exact`` (``meridian_candidates`` =
@@ -147,26 +150,29 @@ def measure(n: int, variant: str, *, decisions: int, warmup: int, seed: int) -> 
 
 def _quantiles(prefix: str, ns: list[int]) -> dict[str, float]:
     us = sorted(t / 1000 for t in ns)
-    at = {q: us[min(len(us) - 1, int(len(us) * q))] for q in (0.5, 0.98, 0.99)}
+    at = {q: us[min(len(us) - 1, int(len(us) * q))] for q in (0.5, 0.98, 0.99, 0.999)}
     return {
         f"{prefix}p50_us": at[0.5],
         f"{prefix}p98_us": at[0.98],
         f"{prefix}p99_us": at[0.99],
+        f"{prefix}p999_us": at[0.999],
         f"{prefix}mean_us": statistics.fmean(us),
     }
 
 
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
-        "| run | variant | nodes | p50 µs | p98 µs | p99 µs | mean µs | bookkeeping p50 / p99 µs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | variant | nodes | p50 µs | p98 µs | p99 µs | p99.9 µs | mean µs "
+        "| bookkeeping p50 / p99 µs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kept = f"{r['kept_p50_us']:.1f} / {r['kept_p99_us']:.1f}" if "kept_p50_us" in r else "n/a"
         p98 = f"{r['p98_us']:.1f}" if "p98_us" in r else "n/a"
+        p999 = f"{r['p999_us']:.1f}" if "p999_us" in r else "n/a"
         lines.append(
             f"| {r['label']} | {r['variant']} | {r['nodes']} | {r['p50_us']:.1f} "
-            f"| {p98} | {r['p99_us']:.1f} | {r['mean_us']:.1f} | {kept} |"
+            f"| {p98} | {r['p99_us']:.1f} | {p999} | {r['mean_us']:.1f} | {kept} |"
         )
     return lines
 
@@ -212,7 +218,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--label", default="now")
     parser.add_argument("--append", action="store_true", help="add to the existing results")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--gc-young-threshold",
+        type=int,
+        default=50_000,
+        help="settle the garbage collector as the agent does once it listens (gc.freeze, this "
+        "young threshold: server.gc_young_threshold's default); 0: CPython's own",
+    )
     args = parser.parse_args(argv)
+    try:
+        from meridian_service import gc_tuning
+    except ImportError:  # a revision from before the agent settled its collector
+        args.gc_young_threshold = 0
+    else:
+        gc_tuning.settle(args.gc_young_threshold)
     sizes = [int(x) for x in args.nodes.split(",")]
     if args.quick:
         args.decisions, args.warmup = 1000, 500
