@@ -337,7 +337,7 @@ class Instruments:
             "meridian_agent_gc_collections",
             callbacks=[
                 lambda _: [
-                    Observation(pauses.collections[g], {"generation": str(g)})
+                    Observation(pauses.collections[g], {"generation": str(g), **self._region})
                     for g in gc_tuning.GENERATIONS
                 ]
             ],
@@ -347,7 +347,7 @@ class Instruments:
             "meridian_agent_gc_pause_seconds",
             callbacks=[
                 lambda _: [
-                    Observation(pauses.seconds[g], {"generation": str(g)})
+                    Observation(pauses.seconds[g], {"generation": str(g), **self._region})
                     for g in gc_tuning.GENERATIONS
                 ]
             ],
