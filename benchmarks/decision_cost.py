@@ -5,10 +5,12 @@ lookup included, as the region grows?  In-process, on the agent's own classes: a
 ``regional_agent.nodes.NodePool`` of N nodes with telemetry (waiting and KV use drawn at
 random, known for every node), the ``meridian`` policy with its prefix index warmed by the same
 traffic, and a stream of chat-like requests: 64 system prompts of 32 blocks shared by many
-requests, each with 4 blocks of its own.  Each decision is timed from ``pool.views()`` through
-``policy.choose()`` (``perf_counter_ns``); then the request is dispatched as the queue does
-(``pool.acquire``, ``observe_routed``) and the oldest in flight completes (``pool.release``), so
-views change between decisions as they do in the agent: about 8 requests in flight per node.
+requests (``--system-prompts``; 1: one prompt every request shares and every node soon holds,
+the widest match there is), each with 4 blocks of its own.  Each decision is timed from
+``pool.views()`` through ``policy.choose()`` (``perf_counter_ns``); then the request is
+dispatched as the queue does (``pool.acquire``, ``observe_routed``) and the oldest in flight
+completes (``pool.release``), so views change between decisions as they do in the agent: about
+8 requests in flight per node.
 That bookkeeping after the decision (the kept views' updates and the prefix index's insert) is
 timed too, apart ("bookkeeping"): the views are updated there, not in the decision.  The
 garbage collector is settled first as the agent settles it once listening (``gc.freeze`` and a
@@ -83,11 +85,12 @@ class Sources:
         return math.inf
 
 
-def requests(count: int, rng: random.Random) -> list[RequestView]:
-    systems = [[rng.randrange(1 << 30) for _ in range(32 * 16)] for _ in range(64)]
+def requests(count: int, rng: random.Random, *, system_prompts: int = 64) -> list[RequestView]:
+    systems = [[rng.randrange(1 << 30) for _ in range(32 * 16)] for _ in range(system_prompts)]
+    last = system_prompts - 1
     out = []
     for i in range(count):
-        tokens = systems[min(63, int(rng.expovariate(1 / 12)))] + [i] * 64
+        tokens = systems[min(last, int(rng.expovariate(1 / 12)))] + [i] * 64
         out.append(
             RequestView(
                 model=MODEL,
@@ -100,7 +103,9 @@ def requests(count: int, rng: random.Random) -> list[RequestView]:
     return out
 
 
-def measure(n: int, variant: str, *, decisions: int, warmup: int, seed: int) -> dict[str, Any]:
+def measure(
+    n: int, variant: str, *, decisions: int, warmup: int, seed: int, system_prompts: int = 64
+) -> dict[str, Any]:
     rng = random.Random(seed)
     pool = NodePool()
     sources = Sources(n, rng)
@@ -114,7 +119,7 @@ def measure(n: int, variant: str, *, decisions: int, warmup: int, seed: int) -> 
             raise SystemExit("this revision has no meridian_candidates: measure 'meridian'")
         config = dataclasses.replace(config, meridian_candidates=0)
     policy = routing.create("meridian", config)
-    stream = requests(warmup + decisions, rng)
+    stream = requests(warmup + decisions, rng, system_prompts=system_prompts)
     in_flight: collections.deque[tuple[NodeId, int]] = collections.deque()
     target = 8 * n
     times: list[int] = []
@@ -219,6 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true", help="add to the existing results")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument(
+        "--system-prompts",
+        type=int,
+        default=64,
+        help="distinct system prompts (popularity falling exponentially); 1: every request "
+        "shares one, which every node then holds (the widest match)",
+    )
+    parser.add_argument(
         "--gc-young-threshold",
         type=int,
         default=50_000,
@@ -243,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [r for r in json.loads(path.read_text())["rows"] if r["label"] != args.label]
     for variant in args.variants.split(","):
         for n in sizes:
-            row = measure(n, variant, decisions=args.decisions, warmup=args.warmup, seed=args.seed)
+            row = measure(n, variant, decisions=args.decisions, warmup=args.warmup,
+                          seed=args.seed, system_prompts=args.system_prompts)  # fmt: skip
             row["label"] = args.label
             rows.append(row)
             print(f"{args.label} {variant} {n} nodes: p50 {row['p50_us']:.1f} µs, p99 "

@@ -56,6 +56,8 @@ dict with one node's float (measured with tracemalloc on 200k entries: 340-400 b
 
 
 _POSITIONS_KEPT: Final = 4096  # prompt lengths whose indexed positions are kept
+_FLOOR_MIN_HOLDERS: Final = 16  # entries this widely held keep a floor (see match)
+_FLOORS_KEPT: Final = 4096  # floors kept at most (then forgotten, to be found again)
 
 
 class PrefixIndex:
@@ -67,6 +69,7 @@ class PrefixIndex:
         "_by_length",
         "_capacity_blocks",
         "_entries",
+        "_floors",
         "_head",
         "_latest",
         "_stride",
@@ -96,6 +99,8 @@ class PrefixIndex:
         # Oldest touch first.  The inner dicts hold one timestamp per node (a handful of nodes).
         self._entries: OrderedDict[int, dict[NodeId, float]] = OrderedDict()
         self._by_length: dict[int, tuple[int, ...]] = {}
+        # block hash -> a time no claim on it is older than: see match
+        self._floors: dict[int, float] = {}
         self._latest = -math.inf  # the latest ``now`` given to insert or match
 
     def __len__(self) -> int:
@@ -159,6 +164,12 @@ class PrefixIndex:
         the deepest block in between that it holds (the last block of a shorter prompt), else to
         the last stride block it held.  Claims found expired on the way are dropped.
 
+        A block held by many nodes (a system prompt every node has) keeps a floor: the oldest
+        of its claims when last checked.  Claims are only ever stamped with the latest time the
+        index was given, and only removed otherwise, so no claim on that block is older than
+        its floor from then on, even through an eviction and a new entry; while the floor is
+        within ``ttl_s`` none has expired and the claims need not be read.
+
         Cost: because hashes chain, the live holders of the prompt's indexed blocks are nested
         (a node holding one holds every one before it, with a claim at least as recent: an
         insert stamps a prompt's every indexed block at once, and the eviction order keeps the
@@ -176,13 +187,24 @@ class PrefixIndex:
         self._latest = now
         oldest = now - self._ttl_s
         entries = self._entries
+        floors = self._floors
 
         def holders_at(j: int) -> dict[NodeId, float] | None:
             """The live holders of the ``j``-th indexed block (``None``: none)."""
             h = hashes[positions[j]]
             found = entries.get(h)
-            if found is not None and min(found.values()) < oldest:
-                found = self._holders(h, oldest)  # drops the expired claims
+            if found is None:
+                return None
+            floor = floors.get(h)
+            if floor is not None and floor >= oldest:
+                return found  # no claim is older than the floor: none has expired
+            least = min(found.values())
+            if least < oldest:
+                return self._holders(h, oldest)  # drops the expired claims
+            if len(found) >= _FLOOR_MIN_HOLDERS:
+                if len(floors) >= _FLOORS_KEPT:
+                    floors.clear()
+                floors[h] = least
             return found
 
         first = holders_at(0)
@@ -206,14 +228,18 @@ class PrefixIndex:
                 if at_mid is not None and size != (0 if at_hi is None else len(at_hi)):
                     pending.append((mid, hi, at_mid, at_hi))
                 continue
-            leaving = [n for n in at_lo if at_hi is None or n not in at_hi]
+            leaving = list(at_lo) if at_hi is None else [n for n in at_lo if n not in at_hi]
             depth = positions[lo] + 1  # held every indexed block up to lo
             stop = positions[hi] if hi < count else depth
+            # a node leaves once, and only this probe may match it deeper first
+            probed = len(matched)
             if stop > depth:  # between two indexed blocks: the deepest one each node holds
                 self._probe(hashes, depth, stop, leaving, at_hi, oldest, matched)
-            for n in leaving:
-                if matched.get(n, 0) < depth:
-                    matched[n] = depth
+            if len(matched) == probed:  # none of them yet: all at depth, in their order
+                matched.update(dict.fromkeys(leaving, depth))
+            else:
+                for n in leaving:
+                    matched.setdefault(n, depth)
         return matched
 
     def _probe(

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 import math
 import operator
 import random
@@ -827,6 +826,9 @@ class _PrefixAware(_Indexed):
         )
 
 
+_DEPTH: Final = operator.itemgetter(1)  # of a (node, matched blocks) pair
+
+
 class _Meridian(_Indexed):
     """The default: the candidate of lowest cost wins; equal costs are broken by ``rng``.
 
@@ -881,7 +883,9 @@ class _Meridian(_Indexed):
         holders = (
             matched
             if len(matched) <= limit
-            else dict(heapq.nlargest(limit, matched.items(), key=operator.itemgetter(1)))
+            # heapq.nlargest's documented equivalent (the same order among equal depths), a
+            # third of its cost at 20-80 holders
+            else dict(sorted(matched.items(), key=_DEPTH, reverse=True)[:limit])
         )  # a prompt cached on many nodes: the longest matches
         bounded: dict[NodeId, NodeView] = {}
         serving = nodes.routable_set(request.model)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import prompt
+from policies import prefix_index, prompt
 from policies.model import NodeId
 from policies.prefix_index import ENTRY_BYTES, PrefixIndex
 
@@ -226,6 +227,46 @@ def test_the_bisection_agrees_with_walking_every_block(
 ) -> None:
     """On chained prompts, with claims expiring, evictions and removed nodes, match finds what
     walking every indexed block in order finds."""
+    _agrees_with_the_walk(ops, queries, stride, head, capacity, ttl, later)
+
+
+@settings(max_examples=300)
+@given(
+    ops=_ops,
+    queries=st.lists(_prompts, min_size=1, max_size=4),
+    stride=st.integers(min_value=1, max_value=4),
+    head=st.integers(min_value=0, max_value=4),
+    capacity=st.integers(min_value=1, max_value=30),
+    ttl=st.integers(min_value=1, max_value=12),
+    later=st.integers(min_value=0, max_value=12),
+)
+def test_floors_on_every_block_change_nothing_match_finds(
+    ops: list[tuple[str, NodeId, list[int], int]],
+    queries: list[list[int]],
+    stride: int,
+    head: int,
+    capacity: int,
+    ttl: int,
+    later: int,
+) -> None:
+    """The same, with every block keeping a floor (in use: blocks held by 16 nodes or more)
+    and the floors forgotten every third one."""
+    with (
+        mock.patch.object(prefix_index, "_FLOOR_MIN_HOLDERS", 1),
+        mock.patch.object(prefix_index, "_FLOORS_KEPT", 3),
+    ):
+        _agrees_with_the_walk(ops, queries, stride, head, capacity, ttl, later)
+
+
+def _agrees_with_the_walk(
+    ops: list[tuple[str, NodeId, list[int], int]],
+    queries: list[list[int]],
+    stride: int,
+    head: int,
+    capacity: int,
+    ttl: int,
+    later: int,
+) -> None:
     index = PrefixIndex(
         capacity_blocks=capacity, ttl_s=ttl, stride_blocks=stride, dense_head_blocks=head
     )
@@ -357,3 +398,20 @@ def test_a_stride_is_never_deeper_than_the_truth_and_loses_under_a_stride(
             assert got == depth
     for node, depth in bounded.match(hashes, now=len(inserts)).items():
         assert 0 < depth <= truth[node]
+
+
+def test_a_widely_held_blocks_floor_never_hides_an_expired_claim() -> None:
+    """20 nodes hold a prompt; its blocks keep a floor.  Within the TTL of the floor the claims
+    are not read; past it they are, and exactly the expired ones are dropped."""
+    index = PrefixIndex(capacity_blocks=100, ttl_s=10)
+    hashes = chain(1, 2, 3)
+    nodes = [NodeId(f"n{i}") for i in range(20)]
+    for n in nodes:
+        index.insert(hashes, n, now=0)
+    assert set(index.match(hashes, now=5)) == set(nodes)  # the floor: 0
+    for n in nodes[:-1]:
+        index.insert(hashes, n, now=8)  # n19's claim stays at 0
+    assert set(index.match(hashes, now=9)) == set(nodes)  # within the floor's TTL
+    assert set(index.match(hashes, now=11)) == set(nodes[:-1])  # n19 expired, dropped
+    assert index.match(hashes, now=17) == dict.fromkeys(nodes[:-1], 3)  # the floor: 8
+    assert index.match(hashes, now=19) == {}  # every claim of 8 expired
