@@ -331,26 +331,21 @@ class Instruments:
 
         # the cyclic garbage collector's pauses (meridian_service.gc_tuning), per process
         gc_tuning.PAUSES.install()
-        pauses = gc_tuning.PAUSES
+
+        def by_generation(values: list[int] | list[float]) -> Callable[..., list[Observation]]:
+            return lambda _: [
+                Observation(values[g], {"generation": str(g), **self._region})
+                for g in gc_tuning.GENERATIONS
+            ]
 
         meter.create_observable_counter(
             "meridian_agent_gc_collections",
-            callbacks=[
-                lambda _: [
-                    Observation(pauses.collections[g], {"generation": str(g), **self._region})
-                    for g in gc_tuning.GENERATIONS
-                ]
-            ],
+            callbacks=[by_generation(gc_tuning.PAUSES.collections)],
             description="Collections of the cyclic garbage collector, by generation (2: full).",
         )
         meter.create_observable_counter(
             "meridian_agent_gc_pause_seconds",
-            callbacks=[
-                lambda _: [
-                    Observation(pauses.seconds[g], {"generation": str(g), **self._region})
-                    for g in gc_tuning.GENERATIONS
-                ]
-            ],
+            callbacks=[by_generation(gc_tuning.PAUSES.seconds)],
             description="Seconds the process stood still in the cyclic garbage collector, by "
             "generation (2: full).",
         )

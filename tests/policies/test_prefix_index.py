@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from unittest import mock
@@ -206,6 +207,7 @@ _ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("floors", [False, True], ids=["as-used", "floors-everywhere"])
 @settings(max_examples=300)
 @given(
     ops=_ops,
@@ -217,6 +219,7 @@ _ops = st.lists(
     later=st.integers(min_value=0, max_value=12),
 )
 def test_the_bisection_agrees_with_walking_every_block(
+    floors: bool,
     ops: list[tuple[str, NodeId, list[int], int]],
     queries: list[list[int]],
     stride: int,
@@ -226,64 +229,29 @@ def test_the_bisection_agrees_with_walking_every_block(
     later: int,
 ) -> None:
     """On chained prompts, with claims expiring, evictions and removed nodes, match finds what
-    walking every indexed block in order finds."""
-    _agrees_with_the_walk(ops, queries, stride, head, capacity, ttl, later)
-
-
-@settings(max_examples=300)
-@given(
-    ops=_ops,
-    queries=st.lists(_prompts, min_size=1, max_size=4),
-    stride=st.integers(min_value=1, max_value=4),
-    head=st.integers(min_value=0, max_value=4),
-    capacity=st.integers(min_value=1, max_value=30),
-    ttl=st.integers(min_value=1, max_value=12),
-    later=st.integers(min_value=0, max_value=12),
-)
-def test_floors_on_every_block_change_nothing_match_finds(
-    ops: list[tuple[str, NodeId, list[int], int]],
-    queries: list[list[int]],
-    stride: int,
-    head: int,
-    capacity: int,
-    ttl: int,
-    later: int,
-) -> None:
-    """The same, with every block keeping a floor (in use: blocks held by 16 nodes or more)
-    and the floors forgotten every third one."""
-    with (
-        mock.patch.object(prefix_index, "_FLOOR_MIN_HOLDERS", 1),
-        mock.patch.object(prefix_index, "_FLOORS_KEPT", 3),
-    ):
-        _agrees_with_the_walk(ops, queries, stride, head, capacity, ttl, later)
-
-
-def _agrees_with_the_walk(
-    ops: list[tuple[str, NodeId, list[int], int]],
-    queries: list[list[int]],
-    stride: int,
-    head: int,
-    capacity: int,
-    ttl: int,
-    later: int,
-) -> None:
-    index = PrefixIndex(
-        capacity_blocks=capacity, ttl_s=ttl, stride_blocks=stride, dense_head_blocks=head
-    )
-    now = 0
-    for op, node, tokens, step in ops:
-        now += step - 1  # the clock may step back
-        if op == "insert":
-            index.insert(chain(*tokens), node, now=now)
-        else:
-            index.remove_node(node)
-        if op == "insert" and step % 2:  # matches between inserts drop what they meet
-            index.match(chain(*tokens[:-1]), now=now)
-    for query, back in zip(queries, (0, later, 1, 0), strict=False):
-        hashes = chain(*query)
-        reference = copy.deepcopy(index)  # a walk drops the expired claims it meets
-        at = now + later - back
-        assert index.match(hashes, now=at) == _walk(reference, hashes, at)
+    walking every indexed block in order finds.  ``floors``: every block keeps a floor (in use,
+    only blocks held by 16 nodes or more do), and the floors are forgotten every third one."""
+    with contextlib.ExitStack() as patches:
+        if floors:
+            patches.enter_context(mock.patch.object(prefix_index, "_FLOOR_MIN_HOLDERS", 1))
+            patches.enter_context(mock.patch.object(prefix_index, "_FLOORS_KEPT", 3))
+        index = PrefixIndex(
+            capacity_blocks=capacity, ttl_s=ttl, stride_blocks=stride, dense_head_blocks=head
+        )
+        now = 0
+        for op, node, tokens, step in ops:
+            now += step - 1  # the clock may step back
+            if op == "insert":
+                index.insert(chain(*tokens), node, now=now)
+            else:
+                index.remove_node(node)
+            if op == "insert" and step % 2:  # matches between inserts drop what they meet
+                index.match(chain(*tokens[:-1]), now=now)
+        for query, back in zip(queries, (0, later, 1, 0), strict=False):
+            hashes = chain(*query)
+            reference = copy.deepcopy(index)  # a walk drops the expired claims it meets
+            at = now + later - back
+            assert index.match(hashes, now=at) == _walk(reference, hashes, at)
 
 
 # --- stride -----------------------------------------------------------------------------------
