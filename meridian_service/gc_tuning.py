@@ -9,8 +9,8 @@ alive across young collections that full collections follow each other: measured
 development VM with ``benchmarks/router_cpu.py`` (wrk, one agent core saturated, 30 s), 46-60
 full collections of 38-63 ms each, and about 10 % of the agent's CPU in the collector; wrk's
 latency p99 was 46-61 ms.  With start-up frozen and young collections every 50,000 allocations,
-collections all but stop under that load, the CPU per request drops 7-10 % and the p99 to
-18-20 ms (docs/benchmarks.md, "The garbage collector").
+collections all but stop under that load, the CPU per request drops 7-11 % and the p99 to
+18-22 ms (docs/benchmarks.md, "The garbage collector").
 
 :func:`settle` does that once the server listens (``server.gc_young_threshold``; 0 leaves the
 collector as CPython sets it).  :data:`PAUSES` counts every collection and its pause by
