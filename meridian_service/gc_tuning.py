@@ -7,10 +7,10 @@ only, yet it runs whenever the container objects allocated and not yet freed pas
 included (a full collection).  Under load the agent's in-flight requests keep enough objects
 alive across young collections that full collections follow each other: measured on the 2-core
 development VM with ``benchmarks/router_cpu.py`` (wrk, one agent core saturated, 30 s), 46-60
-full collections of 38-63 ms each, and about 10 % of the agent's CPU in the collector; wrk's
-latency p99 was 46-61 ms.  With start-up frozen and young collections every 50,000 allocations,
-collections all but stop under that load, the CPU per request drops 7-11 % and the p99 to
-18-22 ms (docs/benchmarks.md, "The garbage collector").
+full collections of 39-42 ms on average (up to 63 ms), and about 10 % of the agent's CPU in
+the collector; wrk's latency p99 was 46-61 ms.  With start-up frozen and young collections
+every 50,000 allocations, collections all but stop under that load, the CPU per request drops
+7-11 % and the p99 to 18-22 ms (docs/benchmarks.md, "The garbage collector").
 
 :func:`settle` does that once the server listens (``server.gc_young_threshold``; 0 leaves the
 collector as CPython sets it).  :data:`PAUSES` counts every collection and its pause by
