@@ -10,12 +10,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from meridian_service import gc_tuning
 from tests.support.ports import free_port
 from tests.support.process import ServerProcess
+from tests.support.waits import answered
 
 
 @pytest.fixture
@@ -65,20 +65,6 @@ def test_pauses_count_each_collection_by_generation_once() -> None:
     assert pauses._hook not in gc.callbacks
 
 
-async def _get(url: str, process: ServerProcess) -> str:
-    for _ in range(300):
-        if process.exit_code() is not None:
-            raise process.failure("exited")
-        try:
-            async with aiohttp.ClientSession() as s, s.get(url) as r:
-                if r.status == 200:
-                    return await r.text()
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.1)
-    raise process.failure(f"{url} did not answer 200")
-
-
 @pytest.mark.parametrize("threshold", [50_000, 0])
 async def test_the_agent_settles_its_collector_once_listening_and_counts_pauses(
     tmp_path: Path, threshold: int
@@ -91,7 +77,7 @@ async def test_the_agent_settles_its_collector_once_listening_and_counts_pauses(
     env = {"MERIDIAN_AGENT_SERVER__GC_YOUNG_THRESHOLD": str(threshold)}
     agent = ServerProcess(argv, log_path=tmp_path / "agent.log", env={**os.environ, **env})
     try:
-        metrics = await _get(f"http://127.0.0.1:{port}/metrics", agent)
+        metrics = await answered(f"http://127.0.0.1:{port}/metrics", agent, "meridian-agent")
         log = agent.log_tail(100_000)
     finally:
         await asyncio.to_thread(agent.stop)

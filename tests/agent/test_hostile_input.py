@@ -27,6 +27,7 @@ from tests.conftest import NodeFactory
 from tests.support.agent import metric
 from tests.support.ports import free_port
 from tests.support.process import ServerProcess
+from tests.support.waits import answered
 
 MODEL = "tiny-model"  # the cpu-tiny profile's
 CHAT = "/v1/chat/completions"
@@ -310,20 +311,6 @@ def agent_process(tmp_path: Path) -> Iterator[Callable[[str], tuple[str, ServerP
         process.stop()
 
 
-async def _wait_ready(url: str, process: ServerProcess) -> None:
-    for _ in range(300):
-        if process.exit_code() is not None:
-            raise process.failure("meridian-agent exited")
-        try:
-            async with aiohttp.ClientSession() as s, s.get(f"{url}/ready") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.1)
-    raise process.failure("meridian-agent did not become ready")
-
-
 GARBAGE = [
     b"GARBAGE\r\n\r\n",  # not HTTP (aiohttp logs this one at DEBUG on a first request)
     b"GET / HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",  # a header line without a colon
@@ -340,7 +327,7 @@ async def test_a_flood_of_malformed_requests_is_a_few_short_log_lines(
     the agent makes it one INFO line, at most one per client address a minute, with a count of
     what it left out."""
     url, process = agent_process(await sim_node())
-    await _wait_ready(url, process)
+    await answered(f"{url}/ready", process, "meridian-agent")
     port = int(url.rsplit(":", 1)[1])
     before = process.log_tail(1_000_000).count("\n")
     for i in range(200):
@@ -381,26 +368,12 @@ async def niced_nodes(tmp_path: Path) -> AsyncIterator[Callable[[int], Any]]:
             started.append(ServerProcess(argv, log_path=tmp_path / f"node-{port}.log"))
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url, process in zip(urls, started[-n:], strict=True):
-            await _wait_health(url, process)
+            await answered(f"{url}/health", process, "meridian-sim")
         return urls
 
     yield start
     for process in started:
         process.kill()  # one busy tokenising a huge prompt would not see SIGTERM for a while
-
-
-async def _wait_health(url: str, process: ServerProcess) -> None:
-    for _ in range(300):
-        if process.exit_code() is not None:
-            raise process.failure("meridian-sim exited")
-        try:
-            async with aiohttp.ClientSession() as s, s.get(f"{url}/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.1)
-    raise process.failure("meridian-sim did not answer /health")
 
 
 def _big_chat(nbytes: int, seed: int) -> bytes:

@@ -42,6 +42,7 @@ from tests.support import free_port, until
 from tests.support.agent import AgentFactory, metric, openai_client
 from tests.support.otlp import KIND_SERVER, OtlpReceiver
 from tests.support.process import ServerProcess
+from tests.support.waits import answered
 
 MODEL = "tiny-model"  # the cpu-tiny profile's
 FAST_BATCHES = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # ms between span batches (default 5000)
@@ -111,20 +112,6 @@ async def processes(tmp_path: Path) -> AsyncIterator[Callable[..., ServerProcess
         await asyncio.to_thread(process.stop)
 
 
-async def _until_up(url: str, path: str, process: ServerProcess) -> None:
-    for _ in range(300):
-        if process.exit_code() is not None:
-            raise process.failure(f"{process.argv[2]} exited")
-        try:
-            async with aiohttp.ClientSession() as s, s.get(f"{url}{path}") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.1)
-    raise process.failure(f"{url}{path} did not answer 200")
-
-
 async def test_one_trace_spans_client_agent_and_node_and_the_agent_exports_its_metrics(
     receiver: OtlpReceiver, processes: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
@@ -171,8 +158,8 @@ async def test_one_trace_spans_client_agent_and_node_and_the_agent_exports_its_m
         ],
         "agent",
     )
-    await _until_up(node_url, "/health", sim)
-    await _until_up(agent_url, "/ready", agent)
+    await answered(f"{node_url}/health", sim, "meridian-sim")
+    await answered(f"{agent_url}/ready", agent, "meridian-agent")
 
     trace_id, client_span, traceparent = _traceparent()
     answer = await _chat(agent_url, {"traceparent": traceparent, "tracestate": "client=1"})
