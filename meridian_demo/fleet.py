@@ -577,12 +577,14 @@ async def _show(
     )
     alert = listing.get("alert")
     print(f"   DNS answers  {answers}" + (f"   ALERT {alert}" if alert else ""))
+    dns_current = True  # whether every view already answers what the plan says
     if fleet.dns is not None:  # the clients follow what DNS tells them
         for _, geo, source in DNS_VIEWS:
             text, weights = await _dig(fleet, source)
             print(f"   dig -b {source} {API_NAME:22} ({geo})  {text}")
             if weights:
                 fleet.answers[geo] = weights
+            dns_current &= _answers_plan(weights, listing.get("serving", {}).get(geo))
     else:  # no BIND9: the plan's shares, which DNS would have said
         for geo, shares in listing.get("serving", {}).items():
             if geo in fleet.answers and shares:
@@ -596,7 +598,30 @@ async def _show(
                 print(
                     f"   event {event['kind']:9} {event.get('region') or '-':9} {event['reason']}"
                 )
-    return {"regions": rows, "leader": leader}
+    return {"regions": rows, "leader": leader, "dns_current": dns_current}
+
+
+def _answers_plan(weights: dict[str, float] | None, shares: dict[str, float] | None) -> bool:
+    """Whether an SRV answer's weights are the plan's shares (to the percent the zone holds):
+    the controller writes its plan first and applies it to BIND9 after, so a window can read
+    the new plan while DNS still answers the one before."""
+    planned = {r: float(w) for r, w in (shares or {}).items() if float(w) > 0}
+    answered = weights or {}
+    total = sum(answered.values())
+    if not planned:
+        return True  # nothing planned for this view
+    return (
+        bool(total)
+        and set(answered) == set(planned)
+        and all(abs(answered[r] / total - w) <= 0.01 for r, w in planned.items())
+    )
+
+
+def _ramped_back(state: dict[str, Any], region: str) -> bool:
+    """The region is healthy at full weight and DNS already answers so."""
+    row = state.get("regions", {}).get(region) or {}
+    full = row.get("state") == "healthy" and row.get("weight") == 1.0
+    return full and bool(state.get("dns_current"))
 
 
 async def _show_autoscaler(fleet: Fleet, session: aiohttp.ClientSession, region: str) -> None:
@@ -763,8 +788,7 @@ async def _run(fleet: Fleet, *, keep_open: bool = False) -> int:
         await asyncio.to_thread(fleet.start_agent, "eu-west")  # the clients go on meanwhile
         for _ in range(15):
             state = await windows(1)
-            row = state.get("regions", {}).get("eu-west") or {}
-            if row.get("state") == "healthy" and row.get("weight") == 1.0:
+            if _ramped_back(state, "eu-west"):
                 break
         print("\n== 5. an operator takes over with meridianctl (the admin API, tokens, audit)\n")
         await _ctl(fleet, VIEWER_TOKEN, "status")
@@ -782,8 +806,7 @@ async def _run(fleet: Fleet, *, keep_open: bool = False) -> int:
                    "--yes")  # fmt: skip
         for _ in range(15):
             state = await windows(1)
-            row = state.get("regions", {}).get("eu-west") or {}
-            if row.get("state") == "healthy" and row.get("weight") == 1.0:
+            if _ramped_back(state, "eu-west"):
                 break
         await _ctl(fleet, OPERATOR_TOKEN, "audit", "--limit", "3")
     if keep_open:

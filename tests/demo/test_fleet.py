@@ -85,3 +85,22 @@ def test_the_fleet_demo_fails_over_survives_the_leader_and_recovers(
     audit = step5.split("meridianctl audit", 1)[1]
     assert re.search(r"demo-operator +failover +eu-west +applied", audit)
     assert re.search(r"demo-operator +failback +eu-west +applied", audit)
+
+
+def test_the_demo_waits_for_dns_to_answer_the_plan() -> None:
+    """The controller writes its plan before it applies it to BIND9: a window that reads the
+    new plan while DNS still answers the old one has not ramped back yet (a CI run once
+    printed eu-west's SRV weight at 25 for a plan of 50)."""
+    plan = {"eu-west": 0.5, "eu-north": 0.5}
+    assert demo._answers_plan({"eu-west": 50.0, "eu-north": 50.0}, plan)
+    assert not demo._answers_plan({"eu-west": 25.0, "eu-north": 75.0}, plan)
+    assert not demo._answers_plan({"eu-north": 100.0}, plan)
+    assert not demo._answers_plan(None, plan)
+    two_to_one = {"eu-west": 2 / 3, "eu-north": 1 / 3}  # the zone holds whole percents
+    assert demo._answers_plan({"eu-west": 67.0, "eu-north": 33.0}, two_to_one)
+    assert demo._answers_plan({"eu-north": 100.0}, {"eu-north": 1.0, "eu-west": 0.0})
+    assert demo._answers_plan(None, {})  # nothing planned for the view
+    healthy = {"regions": {"eu-west": {"state": "healthy", "weight": 1.0}}}
+    assert demo._ramped_back({**healthy, "dns_current": True}, "eu-west")
+    assert not demo._ramped_back({**healthy, "dns_current": False}, "eu-west")
+    assert not demo._ramped_back({}, "eu-west")  # no controller answered
