@@ -254,7 +254,10 @@ class PrefixIndex:
     ) -> None:
         """Match the nodes in ``leaving`` (``None``: any node not in ``holders``) to the deepest
         block in ``start..stop-1`` they hold: the last block of a shorter prompt."""
+        entries = self._entries
         for position in range(start, stop):
+            if hashes[position] not in entries:  # most often: a block no prompt ended on
+                continue
             found = self._holders(hashes[position], oldest)
             if found is None:
                 continue

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 import operator
 import random
@@ -827,6 +828,21 @@ class _PrefixAware(_Indexed):
 
 
 _DEPTH: Final = operator.itemgetter(1)  # of a (node, matched blocks) pair
+# a view; its capacity; its queue and KV terms; its probation and unknown penalties
+_Terms = tuple[NodeView, float, float, float]
+
+
+def _longest(matched: dict[NodeId, int], limit: int) -> dict[NodeId, int]:
+    """The ``limit`` deepest matches, in ``matched``'s order among equal depths: a prompt
+    cached on many nodes.  ``heapq.nlargest``'s documented equivalent, a sort, costs a third of
+    it at 20-80 holders; and when the depths already fall in ``matched``'s order (the prefix
+    index answers deepest first but for its probes, and one prompt on every node matches all of
+    them equally), the sort would keep that order, so the first ``limit`` are taken as they
+    are: a third of the sort's cost at 256 holders."""
+    depths = list(matched.values())
+    if depths == sorted(depths, reverse=True):
+        return dict(itertools.islice(matched.items(), limit))
+    return dict(sorted(matched.items(), key=_DEPTH, reverse=True)[:limit])
 
 
 class _Meridian(_Indexed):
@@ -856,6 +872,14 @@ class _Meridian(_Indexed):
 
     name = "meridian"
 
+    def __init__(self, config: RoutingConfig) -> None:
+        super().__init__(config)
+        self._terms: dict[NodeId, _Terms] = {}  # by node: the last view scored, its terms
+
+    def forget_node(self, node: NodeId) -> None:
+        super().forget_node(node)
+        self._terms.pop(node, None)
+
     def choose(
         self,
         request: RequestView,
@@ -880,13 +904,7 @@ class _Meridian(_Indexed):
         if trial is not None:
             return trial
         matched = self._match(request.block_hashes, now) if request.block_hashes else {}
-        holders = (
-            matched
-            if len(matched) <= limit
-            # heapq.nlargest's documented equivalent (the same order among equal depths), a
-            # third of its cost at 20-80 holders
-            else dict(sorted(matched.items(), key=_DEPTH, reverse=True)[:limit])
-        )  # a prompt cached on many nodes: the longest matches
+        holders = matched if len(matched) <= limit else _longest(matched, limit)
         bounded: dict[NodeId, NodeView] = {}
         serving = nodes.routable_set(request.model)
         probation = Health.PROBATION
@@ -909,6 +927,26 @@ class _Meridian(_Indexed):
             request, ready, now=now, rng=rng, matches=[matched.get(n.node_id, 0) for n in ready]
         )
 
+    def _node_terms(self, n: NodeView) -> _Terms:
+        """The terms of ``n``'s cost that do not depend on the request, for as long as the
+        pool keeps this view: its capacity ``weight * warm``, the queue and KV terms, and the
+        probation and unknown penalties."""
+        cfg = self._config
+        w = n.slow_start if n.slow_start > cfg.slow_start_floor else cfg.slow_start_floor
+        if w > 1.0:  # _warm, inline
+            w = 1.0
+        telemetry = n.telemetry
+        waiting, kv = (0, 0.0) if telemetry is None else (telemetry.waiting, telemetry.kv_util)
+        slots = n.slots if n.slots > 1 else 1
+        return (
+            n,
+            (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w,
+            cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (slots * w)
+            + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0)),
+            cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
+            + cfg.meridian_unknown_penalty * (telemetry is None),
+        )
+
     def _choose(
         self,
         request: RequestView,
@@ -918,61 +956,49 @@ class _Meridian(_Indexed):
         rng: random.Random,
         matches: list[int] | None = None,
     ) -> Decision:
-        # The class docstring's cost, term by term in its order (the same floats: each sum is
-        # taken left to right as written there), with the config's weights read once.  One pass
-        # over the candidates reads each node once: the sum of the three terms before the
-        # tokens term, the tokens ratio and the three terms after it; the second pass, once the
-        # largest ratio is known, adds them in the same order.  No call per candidate.
+        # The class docstring's cost, with the config's weights read once.  What does not
+        # depend on the request (capacity, the queue and KV terms, the two penalties) is kept
+        # per node with the view it came from (``_node_terms``): the pool hands out the same
+        # view object until the node's accounting, telemetry or health moves, so most
+        # candidates of a decision are scored from kept terms (9 in 10 at 256 nodes,
+        # benchmarks/decision_cost.py).  One pass over the candidates: the prefix and kept
+        # terms, the tokens ratio, the prefill term and the penalties; the second, once the
+        # largest ratio is known, adds them.  Sums are those of the docstring, but not all left
+        # to right: costs can differ from its plain sum in their last bits.
         cfg = self._config
         if matches is None:
             matches = self._matches(request, ready, now)
         blocks = len(request.block_hashes)
         request_tokens = request.prompt_tokens + request.max_tokens
-        floor = cfg.slow_start_floor
         neg_prefix = -cfg.meridian_prefix_weight
-        queue_w = cfg.meridian_queue_weight
-        kv_w = cfg.meridian_kv_weight
-        kv_high = cfg.kv_high_watermark
         tokens_w = cfg.meridian_tokens_weight
         prefill_scale = cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens
-        probation_w = cfg.meridian_probation_penalty
-        unknown_w = cfg.meridian_unknown_penalty
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
-        probation = Health.PROBATION
-        parts: list[tuple[float, float, float, float, float]] = []
+        terms = self._terms
+        parts: list[tuple[float, float, float, float]] = []
         tok_max = 1e-12
         for n, matched in zip(ready, matches, strict=True):
-            w = n.slow_start if n.slow_start > floor else floor  # _warm, inline
-            if w > 1.0:
-                w = 1.0
-            cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
+            kept = terms.get(n.node_id)
+            if kept is None or kept[0] is not n:
+                kept = terms[n.node_id] = self._node_terms(n)
+            _, cap, rest, penalty = kept
             t = (n.in_flight_tokens + request_tokens) / cap
             if t > tok_max:
                 tok_max = t
-            telemetry = n.telemetry
             own = prompt_tokens - matched * block_tokens
             if own < 0:
                 own = 0
-            if telemetry is None:
-                waiting, kv = 0, 0.0
-            else:
-                waiting, kv = telemetry.waiting, telemetry.kv_util
-            slots = n.slots if n.slots > 1 else 1
             parts.append(
                 (
-                    neg_prefix * (matched / blocks if blocks else 0.0)
-                    + queue_w * (n.in_flight + waiting + 1) / (slots * w)
-                    + kv_w * (kv + (1.0 if kv >= kv_high else 0.0)),
+                    neg_prefix * (matched / blocks if blocks else 0.0) + rest,
                     t,
                     prefill_scale * (n.prefill_tokens + own) / cap,
-                    probation_w * (n.health is probation),
-                    unknown_w * (telemetry is None),
+                    penalty,
                 )
             )
         costs = [
-            head + tokens_w * t / tok_max + prefill + on_probation + unknown
-            for head, t, prefill, on_probation, unknown in parts
+            head + tokens_w * t / tok_max + prefill + penalty for head, t, prefill, penalty in parts
         ]
         lowest = min(costs)
         bound = lowest + _TIE
