@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 from policies.model import NodeId
@@ -228,14 +228,19 @@ class PrefixIndex:
                 if at_mid is not None and size != (0 if at_hi is None else len(at_hi)):
                     pending.append((mid, hi, at_mid, at_hi))
                 continue
-            leaving = list(at_lo) if at_hi is None else [n for n in at_lo if n not in at_hi]
+            # every holder at lo leaves (past the end: the holders themselves, not a copy)
+            leaving: Collection[NodeId] = (
+                at_lo if at_hi is None else [n for n in at_lo if n not in at_hi]
+            )
             depth = positions[lo] + 1  # held every indexed block up to lo
             stop = positions[hi] if hi < count else depth
             # a node leaves once, and only this probe may match it deeper first
             probed = len(matched)
             if stop > depth:  # between two indexed blocks: the deepest one each node holds
                 self._probe(hashes, depth, stop, leaving, at_hi, oldest, matched)
-            if len(matched) == probed:  # none of them yet: all at depth, in their order
+            if not matched:  # the first to leave, none probed deeper: all at depth
+                matched = dict.fromkeys(leaving, depth)
+            elif len(matched) == probed:  # none of them yet: all at depth, in their order
                 matched.update(dict.fromkeys(leaving, depth))
             else:
                 for n in leaving:
@@ -247,7 +252,7 @@ class PrefixIndex:
         hashes: Sequence[int],
         start: int,
         stop: int,
-        leaving: list[NodeId] | None,
+        leaving: Collection[NodeId] | None,
         holders: dict[NodeId, float] | None,
         oldest: float,
         matched: dict[NodeId, int],
