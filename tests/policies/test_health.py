@@ -613,4 +613,5 @@ def test_panic_invariants(nodes: list[tuple[AdminState, Health]], threshold: flo
         assert all(v.routable for v in routed if v.admin is ACTIVE)
         assert decision.routable < threshold * decision.eligible
     elif decision.eligible and threshold > 0:
-        assert decision.routable >= threshold * decision.eligible - 1e-9
+        # within the verdict's rounding tolerance, which is on the share, not the count
+        assert decision.routable / decision.eligible + 1e-9 >= threshold
