@@ -828,7 +828,7 @@ class _PrefixAware(_Indexed):
 
 
 _DEPTH: Final = operator.itemgetter(1)  # of a (node, matched blocks) pair
-# a view; its capacity; its queue and KV terms; its probation and unknown penalties
+# a view; 1 / its capacity; its queue, KV, probation and unknown terms; prefill weight / capacity
 _Terms = tuple[NodeView, float, float, float]
 
 
@@ -899,8 +899,10 @@ class _Meridian(_Indexed):
         if len(ids) <= limit:
             return super().choose(request, nodes, now=now, rng=rng)
         by_id = nodes.by_id
-        on_probation = [by_id[i] for i in nodes.probation(request.model)]
-        trial = self._trials.pick([n for n in on_probation if n.has_slot])
+        on_probation = nodes.probation(request.model)
+        trial = self._trials.pick(
+            [by_id[i] for i in on_probation if by_id[i].has_slot] if on_probation else ()
+        )
         if trial is not None:
             return trial
         matched = self._match(request.block_hashes, now) if request.block_hashes else {}
@@ -922,15 +924,13 @@ class _Meridian(_Indexed):
             if not everyone:
                 return _no_candidates(request, nodes)
             return self._choose(request, everyone, now=now, rng=rng)
-        ready = list(bounded.values())
-        return self._choose(
-            request, ready, now=now, rng=rng, matches=[matched.get(n.node_id, 0) for n in ready]
-        )
+        depths = list(map(matched.get, bounded, itertools.repeat(0, len(bounded))))
+        return self._choose(request, list(bounded.values()), now=now, rng=rng, matches=depths)
 
     def _node_terms(self, n: NodeView) -> _Terms:
-        """The terms of ``n``'s cost that do not depend on the request, for as long as the
-        pool keeps this view: its capacity ``weight * warm``, the queue and KV terms, and the
-        probation and unknown penalties."""
+        """What ``n``'s cost owes to ``n`` alone, for as long as the pool keeps this view: the
+        inverse of its capacity ``weight * warm``, the sum of its queue, KV, probation and
+        unknown terms, and the prefill term's weight per token over its capacity."""
         cfg = self._config
         w = n.slow_start if n.slow_start > cfg.slow_start_floor else cfg.slow_start_floor
         if w > 1.0:  # _warm, inline
@@ -938,13 +938,15 @@ class _Meridian(_Indexed):
         telemetry = n.telemetry
         waiting, kv = (0, 0.0) if telemetry is None else (telemetry.waiting, telemetry.kv_util)
         slots = n.slots if n.slots > 1 else 1
+        cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
         return (
             n,
-            (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w,
+            1.0 / cap,
             cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (slots * w)
-            + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0)),
-            cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
+            + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0))
+            + cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
             + cfg.meridian_unknown_penalty * (telemetry is None),
+            cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens / cap,
         )
 
     def _choose(
@@ -956,50 +958,44 @@ class _Meridian(_Indexed):
         rng: random.Random,
         matches: list[int] | None = None,
     ) -> Decision:
-        # The class docstring's cost, with the config's weights read once.  What does not
-        # depend on the request (capacity, the queue and KV terms, the two penalties) is kept
-        # per node with the view it came from (``_node_terms``): the pool hands out the same
-        # view object until the node's accounting, telemetry or health moves, so most
-        # candidates of a decision are scored from kept terms (9 in 10 at 256 nodes,
-        # benchmarks/decision_cost.py).  One pass over the candidates: the prefix and kept
-        # terms, the tokens ratio, the prefill term and the penalties; the second, once the
-        # largest ratio is known, adds them.  Sums are those of the docstring, but not all left
-        # to right: costs can differ from its plain sum in their last bits.
+        # The class docstring's cost.  What does not depend on the request is kept per node
+        # with the view it came from (``_node_terms``): the pool hands out the same view
+        # object until the node's accounting, telemetry or health moves, so most candidates of
+        # a decision are scored from kept terms (9 in 10 at 256 nodes,
+        # benchmarks/decision_cost.py).  One pass over the candidates: every term but the
+        # tokens term, and the tokens ratio; then, once the largest ratio is known, the tokens
+        # term is added.  Sums and products are the docstring's, in another order: costs can
+        # differ from its plain sum in their last bits.
         cfg = self._config
         if matches is None:
             matches = self._matches(request, ready, now)
         blocks = len(request.block_hashes)
         request_tokens = request.prompt_tokens + request.max_tokens
-        neg_prefix = -cfg.meridian_prefix_weight
-        tokens_w = cfg.meridian_tokens_weight
-        prefill_scale = cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens
+        prefix_unit = -cfg.meridian_prefix_weight / blocks if blocks else 0.0
         prompt_tokens = request.prompt_tokens
         block_tokens = request.block_tokens
         terms = self._terms
-        parts: list[tuple[float, float, float, float]] = []
+        bases: list[float] = []
+        ratios: list[float] = []
         tok_max = 1e-12
         for n, matched in zip(ready, matches, strict=True):
             kept = terms.get(n.node_id)
             if kept is None or kept[0] is not n:
                 kept = terms[n.node_id] = self._node_terms(n)
-            _, cap, rest, penalty = kept
-            t = (n.in_flight_tokens + request_tokens) / cap
+            _, per_cap, own_terms, prefill_per_token = kept
+            t = (n.in_flight_tokens + request_tokens) * per_cap
             if t > tok_max:
                 tok_max = t
             own = prompt_tokens - matched * block_tokens
             if own < 0:
                 own = 0
-            parts.append(
-                (
-                    neg_prefix * (matched / blocks if blocks else 0.0) + rest,
-                    t,
-                    prefill_scale * (n.prefill_tokens + own) / cap,
-                    penalty,
-                )
+            bases.append(
+                prefix_unit * matched + own_terms + (n.prefill_tokens + own) * prefill_per_token
             )
-        costs = [
-            head + tokens_w * t / tok_max + prefill + penalty for head, t, prefill, penalty in parts
-        ]
+            ratios.append(t)
+        costs = list(
+            map(operator.add, bases, map((cfg.meridian_tokens_weight / tok_max).__mul__, ratios))
+        )
         lowest = min(costs)
         bound = lowest + _TIE
         tied = [i for i, c in enumerate(costs) if c <= bound]
