@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
 from policies.model import NodeId
@@ -58,6 +58,9 @@ dict with one node's float (measured with tracemalloc on 200k entries: 340-400 b
 _POSITIONS_KEPT: Final = 4096  # prompt lengths whose indexed positions are kept
 _FLOOR_MIN_HOLDERS: Final = 16  # entries this widely held keep a floor (see match)
 _FLOORS_KEPT: Final = 4096  # floors kept at most (then forgotten, to be found again)
+# nodes that hold a prompt's leading blocks to one depth: the depth, and the nodes (iterated in
+# the answer's order; ``in`` answers whether a node is one of them)
+Run = tuple[int, Collection[NodeId]]
 
 
 class PrefixIndex:
@@ -177,11 +180,22 @@ class PrefixIndex:
         and so has every block between them.  The blocks where a holder drops out are found by
         bisection: a few lookups per distinct depth instead of one per indexed block.
         """
+        matched: dict[NodeId, int] = {}
+        for depth, nodes in self.match_runs(hashes, now=now):
+            matched.update(dict.fromkeys(nodes, depth))
+        return matched
+
+    def match_runs(self, hashes: Sequence[int], *, now: float) -> list[Run]:
+        """:meth:`match`'s answer as runs of nodes at one depth, in its order: :meth:`match` is
+        their concatenation, and no node is in two runs.  Nothing is built per node for a run
+        whose nodes leave together: a prompt on every node is one run, the index's own holders
+        of its last shared block, so read the runs before the index changes (the next
+        :meth:`insert` or match)."""
         positions = self._positions(len(hashes))
         count = len(positions)
-        matched: dict[NodeId, int] = {}
+        runs: list[Run] = []
         if not count:
-            return matched
+            return runs
         if now < self._latest:
             now = self._latest  # a claim dropped as expired at a later time stays dropped
         self._latest = now
@@ -209,9 +223,11 @@ class PrefixIndex:
 
         first = holders_at(0)
         if positions[0] > 0:  # a stride before any indexed block: shorter prompts' last blocks
-            self._probe(hashes, 0, positions[0], None, first, oldest, matched)
+            probed: dict[NodeId, int] = {}
+            self._probe(hashes, 0, positions[0], None, first, oldest, probed)
+            runs += [(d, (n,)) for n, d in probed.items()]
         if first is None:
-            return matched
+            return runs
         # (lo, hi, holders at lo, at hi; past the end: none), holders at lo more than at hi: a
         # node drops out in between
         pending: list[tuple[int, int, dict[NodeId, float], dict[NodeId, float] | None]] = [
@@ -228,31 +244,28 @@ class PrefixIndex:
                 if at_mid is not None and size != (0 if at_hi is None else len(at_hi)):
                     pending.append((mid, hi, at_mid, at_hi))
                 continue
-            # every holder at lo leaves (past the end: the holders themselves, not a copy)
-            leaving: Collection[NodeId] = (
-                at_lo if at_hi is None else [n for n in at_lo if n not in at_hi]
+            # the holders at lo that leave (past the end: all of them, the index's own dict)
+            leaving: Mapping[NodeId, object] = (
+                at_lo if at_hi is None else dict.fromkeys([n for n in at_lo if n not in at_hi])
             )
             depth = positions[lo] + 1  # held every indexed block up to lo
             stop = positions[hi] if hi < count else depth
-            # a node leaves once, and only this probe may match it deeper first
-            probed = len(matched)
             if stop > depth:  # between two indexed blocks: the deepest one each node holds
-                self._probe(hashes, depth, stop, leaving, at_hi, oldest, matched)
-            if not matched:  # the first to leave, none probed deeper: all at depth
-                matched = dict.fromkeys(leaving, depth)
-            elif len(matched) == probed:  # none of them yet: all at depth, in their order
-                matched.update(dict.fromkeys(leaving, depth))
-            else:
-                for n in leaving:
-                    matched.setdefault(n, depth)
-        return matched
+                probed = {}
+                self._probe(hashes, depth, stop, leaving, at_hi, oldest, probed)
+                if probed:  # these first, one by one, as found; the others at depth
+                    runs += [(d, (n,)) for n, d in probed.items()]
+                    leaving = dict.fromkeys([n for n in leaving if n not in probed])
+            if leaving:
+                runs.append((depth, leaving))
+        return runs
 
     def _probe(
         self,
         hashes: Sequence[int],
         start: int,
         stop: int,
-        leaving: Collection[NodeId] | None,
+        leaving: Mapping[NodeId, object] | None,
         holders: dict[NodeId, float] | None,
         oldest: float,
         matched: dict[NodeId, int],

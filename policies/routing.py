@@ -60,7 +60,7 @@ from typing import Final, Protocol
 
 from policies.kv_index import PreciseIndex
 from policies.model import Decision, Health, NodeId, NodeView, NodeViews, RequestView
-from policies.prefix_index import PrefixIndex
+from policies.prefix_index import PrefixIndex, Run
 
 NAMES: Final[tuple[str, ...]] = (
     "round_robin",
@@ -758,6 +758,14 @@ class _Indexed(_Base):
         mixed.update(exact)
         return mixed
 
+    def _match_runs(self, hashes: Sequence[int], now: float) -> list[Run]:
+        """:meth:`_match` as runs (:meth:`PrefixIndex.match_runs`): the approximate index's own
+        without a precise one, else one run a node."""
+        precise = self._precise
+        if precise is None or not precise.any_precise:
+            return self._index.match_runs(hashes, now=now)
+        return [(d, (n,)) for n, d in self._match(hashes, now).items()]
+
     def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:
         """Leading cached blocks of the request's prompt on each candidate."""
         if not request.block_hashes:
@@ -827,22 +835,39 @@ class _PrefixAware(_Indexed):
         )
 
 
-_DEPTH: Final = operator.itemgetter(1)  # of a (node, matched blocks) pair
+_DEPTH_OF_RUN: Final = operator.itemgetter(0)  # of a (depth, nodes) run
 # a view; 1 / its capacity; its queue, KV, probation and unknown terms; prefill weight / capacity
 _Terms = tuple[NodeView, float, float, float]
 
 
-def _longest(matched: dict[NodeId, int], limit: int) -> dict[NodeId, int]:
-    """The ``limit`` deepest matches, in ``matched``'s order among equal depths: a prompt
-    cached on many nodes.  ``heapq.nlargest``'s documented equivalent, a sort, costs a third of
-    it at 20-80 holders; and when the depths already fall in ``matched``'s order (the prefix
-    index answers deepest first but for its probes, and one prompt on every node matches all of
-    them equally), the sort would keep that order, so the first ``limit`` are taken as they
-    are: a third of the sort's cost at 256 holders."""
-    depths = list(matched.values())
-    if depths == sorted(depths, reverse=True):
-        return dict(itertools.islice(matched.items(), limit))
-    return dict(sorted(matched.items(), key=_DEPTH, reverse=True)[:limit])
+def _longest(runs: Sequence[Run], limit: int, matched: int) -> dict[NodeId, int]:
+    """The ``limit`` deepest of a match's ``matched`` nodes, in the match's order among equal
+    depths (``heapq.nlargest`` over the concatenated runs, which is a stable sort); every one,
+    in that order, when there are no more than ``limit``.  The runs are sorted, not the nodes:
+    a stable sort of runs of one depth each keeps every node's place among its equals, and a
+    prompt on every node (one run of them all) costs no more than its first ``limit``."""
+    if matched <= limit:
+        if len(runs) == 1:  # the most common answer: one depth
+            depth, nodes = runs[0]
+            return dict.fromkeys(nodes, depth)
+        everyone: dict[NodeId, int] = {}
+        for depth, nodes in runs:
+            everyone.update(dict.fromkeys(nodes, depth))
+        return everyone
+    out: dict[NodeId, int] = {}
+    for depth, nodes in sorted(runs, key=_DEPTH_OF_RUN, reverse=True):
+        out.update(dict.fromkeys(itertools.islice(nodes, limit - len(out)), depth))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _depth_in(runs: Sequence[Run], node: NodeId) -> int:
+    """The depth of ``node``'s run, 0 when it is in none."""
+    for depth, nodes in runs:
+        if node in nodes:
+            return depth
+    return 0
 
 
 class _Meridian(_Indexed):
@@ -905,8 +930,9 @@ class _Meridian(_Indexed):
         )
         if trial is not None:
             return trial
-        matched = self._match(request.block_hashes, now) if request.block_hashes else {}
-        holders = matched if len(matched) <= limit else _longest(matched, limit)
+        runs = self._match_runs(request.block_hashes, now) if request.block_hashes else []
+        matched = sum([len(nodes) for _, nodes in runs])
+        holders = _longest(runs, limit, matched)
         bounded: dict[NodeId, NodeView] = {}
         serving = nodes.routable_set(request.model)
         probation = Health.PROBATION
@@ -924,7 +950,10 @@ class _Meridian(_Indexed):
             if not everyone:
                 return _no_candidates(request, nodes)
             return self._choose(request, everyone, now=now, rng=rng)
-        depths = list(map(matched.get, bounded, itertools.repeat(0, len(bounded))))
+        if matched <= limit:  # every node matched is a holder
+            depths = list(map(holders.get, bounded, itertools.repeat(0, len(bounded))))
+        else:
+            depths = [holders[n] if n in holders else _depth_in(runs, n) for n in bounded]
         return self._choose(request, list(bounded.values()), now=now, rng=rng, matches=depths)
 
     def _node_terms(self, n: NodeView) -> _Terms:

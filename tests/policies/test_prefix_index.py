@@ -251,7 +251,11 @@ def test_the_bisection_agrees_with_walking_every_block(
             hashes = chain(*query)
             reference = copy.deepcopy(index)  # a walk drops the expired claims it meets
             at = now + later - back
+            runs = copy.deepcopy(index).match_runs(hashes, now=at)
             assert index.match(hashes, now=at) == _walk(reference, hashes, at)
+            in_runs = [n for _, nodes in runs for n in nodes]
+            assert len(in_runs) == len(set(in_runs))  # no node in two runs: match concatenates
+            assert all(nodes for _, nodes in runs)
 
 
 # --- stride -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 from collections import Counter
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from policies import group_routing, prompt, routing
 from policies.groups import GroupId
+from policies.kv_index import PreciseIndex
 from policies.model import (
     AdminState,
     Decision,
@@ -799,23 +801,46 @@ def test_bounded_meridian_keeps_the_cached_prefix_among_many_nodes() -> None:
         assert decision.expected_hit_tokens == 12 * 16
 
 
+def test_bounded_meridian_finds_holders_in_the_precise_index_too() -> None:
+    """With an engine reporting its blocks (a precise node), the bounded set's holders come
+    from both indexes: the precise node that holds the whole prompt is scored and wins over
+    the approximate index's holder of its first half, among 256 nodes."""
+    policy = routing.create("meridian", CONFIG)
+    index = PreciseIndex(capacity_blocks=1000, block_size=16)
+    assert routing.attach_precise(policy, index)
+    hashes = blocks(*range(12))
+    index.set_precise(NodeId("n7"), True)
+    index.stored_keys(NodeId("n7"), list(hashes))
+    policy.observe_routed(req(block_hashes=hashes[:6]), NodeId("n200"), now=0.0)
+    pool = NodeViews(node(f"n{i}", in_flight=1) for i in range(256))
+    prompt = req(block_hashes=hashes, prompt_tokens=12 * 16)
+    for seed in range(20):
+        decision = policy.choose(prompt, pool, now=1.0, rng=random.Random(seed))
+        assert decision.node == "n7", decision
+        assert decision.expected_hit_tokens == 12 * 16
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    depths=st.lists(st.integers(1, 6), min_size=1, max_size=40),
+    runs=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 30)), max_size=8),
     limit=st.integers(1, 20),
-    descending=st.booleans(),
 )
 def test_bounded_meridian_takes_the_longest_holders_as_nlargest_does(
-    depths: list[int], limit: int, descending: bool
+    runs: list[tuple[int, int]], limit: int
 ) -> None:
-    """The holders scored when more nodes than ``meridian_candidates`` hold the prompt: the
-    deepest, and among equal depths those first in the match's order (``heapq.nlargest``),
-    whether or not the match already answered deepest first."""
-    if descending:
-        depths = sorted(depths, reverse=True)
-    matched = {NodeId(f"n{i}"): d for i, d in enumerate(depths)}
-    want = heapq.nlargest(limit, matched.items(), key=lambda item: item[1])
-    assert list(routing._longest(matched, limit).items()) == want  # type: ignore[attr-defined]
+    """The holders scored: every node of the match when there are no more than
+    ``meridian_candidates``, in its order; else the deepest, and among equal depths those first
+    in the match's order (``heapq.nlargest`` over the concatenated runs).  The depth of a node
+    outside them is its run's."""
+    nodes = iter(NodeId(f"n{i}") for i in range(10_000))
+    match = [(depth, tuple(itertools.islice(nodes, size))) for depth, size in runs]
+    flat = [(n, depth) for depth, run in match for n in run]
+    want = flat if len(flat) <= limit else heapq.nlargest(limit, flat, key=lambda item: item[1])
+    got = routing._longest(match, limit, len(flat))  # type: ignore[attr-defined]
+    assert list(got.items()) == want
+    for n, depth in flat:
+        assert routing._depth_in(match, n) == depth  # type: ignore[attr-defined]
+    assert routing._depth_in(match, NodeId("elsewhere")) == 0  # type: ignore[attr-defined]
 
 
 def test_bounded_meridian_spreads_load_like_power_of_k_choices() -> None:
