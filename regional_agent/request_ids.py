@@ -2,7 +2,8 @@
 
 The id is the client's ``X-Request-ID`` when it sends one (1 to 200 visible ASCII characters;
 anything else is a 400 naming the header), else one the agent makes: 32 hex digits like a
-uuid4's, unique across processes (a random prefix per process) at the cost of a counter.
+uuid4's, unique across processes (a random prefix per process, drawn again in a forked child
+such as a ``--workers`` worker) at the cost of a counter.
 :func:`middleware` sets it before anything else runs, puts it on every response the agent
 answers (errors, 404s and streams too: a stream carries it from its first byte) and in a
 context variable that :func:`install_log_ids` appends to every log record made while the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import os
 import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -32,8 +34,17 @@ HEADER: Final = "X-Request-ID"
 REQUEST_ID: Final = web.RequestKey("request_id", str)  # the aiohttp request's key for it
 RESPONSE_HOMES: Final = 10_000
 _MAX_LENGTH: Final = 200
-_PREFIX: Final = secrets.token_hex(8)  # this process's: ids stay unique across agents
+_PREFIX = secrets.token_hex(8)  # this process's: ids stay unique across agents and workers
 _COUNTER = itertools.count(1)
+
+
+def _renew_prefix() -> None:
+    """In a forked child: a prefix of its own (the parent's would repeat its ids)."""
+    global _PREFIX
+    _PREFIX = secrets.token_hex(8)
+
+
+os.register_at_fork(after_in_child=_renew_prefix)
 CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "meridian_request_id", default=None
 )

@@ -393,6 +393,8 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
     async with _fresh() as client:
         replies = await asyncio.gather(*(_chat(client, agent.url, f"hello {i}") for i in range(40)))
     assert [r.status_code for r in replies] == [200] * 40
+    ids = [r.headers["X-Request-ID"] for r in replies]
+    assert len(set(ids)) == 40, "two workers gave one request id to two requests"
     metrics = await _metrics(agent.url)
     served = _by_worker(metrics["meridian_agent_requests_total"])
     assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
