@@ -1430,7 +1430,8 @@ class WorkersSettings(_Group):
         gt=0,
         le=1,
         description="how often a worker reads its siblings' in-flight and prefill counts (the "
-        "most they are behind in its decisions), and wakes its queue when a sibling freed a slot",
+        "most they are behind in its decisions), wakes its queue when a sibling freed a slot, "
+        "and sends them the prompts it routed (the most their prefix indexes are behind)",
     )
     table_slots: int = Field(
         1024,

@@ -2,8 +2,12 @@
 datagrams on Unix sockets in the workers' private directory.
 
 Each worker binds ``w<i>.prefix``; a routed request's block hashes and node go to every sibling,
-batched: the records of one event-loop turn leave as one datagram per sibling (at most
-``MAX_DATAGRAM`` bytes each; a longer prompt's record keeps its leading ``MAX_HASHES`` blocks).
+batched: the records of ``flush_after_s`` (the runtime passes ``workers.share_interval_s``, 2 ms)
+leave as one datagram per sibling, so a sibling's index is at most that far behind, as its load
+counts are (at most ``MAX_DATAGRAM`` bytes each, a fuller batch leaving at once; a longer
+prompt's record keeps its leading ``MAX_HASHES`` blocks).  Batching by time rather than by
+event-loop turn keeps the syscalls and the siblings' wake-ups to a few hundred a second
+whatever the request rate.
 A sibling inserts them into its own policy's prefix index, as if
 it had routed the request, so N workers keep the hit rate of one.  Sending never blocks: a
 sibling that is restarting, or whose socket buffer is full, misses the record (counted in
@@ -46,19 +50,19 @@ def decode(datagram: bytes) -> list[tuple[str, tuple[int, ...]]]:
     """The records of one datagram; raises ``ValueError`` for a malformed one."""
     out = []
     view = memoryview(datagram)
+    size = len(view)
     at = 0
-    while at < len(view):
-        if at + _HEAD.size > len(view):
+    while at < size:
+        if at + _HEAD.size > size:
             raise ValueError("a truncated record head")
         name_len, count = _HEAD.unpack_from(view, at)
         at += _HEAD.size
         end = at + name_len + count * _HASH_BYTES
-        if end > len(view):
+        if end > size:
             raise ValueError("a truncated record")
-        name = bytes(view[at : at + name_len]).decode("utf-8")
-        hashes = array("Q")
-        hashes.frombytes(view[at + name_len : end])
-        out.append((name, tuple(hashes)))
+        name = str(view[at : at + name_len], "utf-8")
+        # the hashes read in place (a cast view reads unaligned items with memcpy), then copied
+        out.append((name, tuple(view[at + name_len : end].cast("Q"))))
         at = end
     return out
 
@@ -73,8 +77,10 @@ class PrefixRelay:
         worker: int,
         workers: int,
         on_record: Callable[[str, tuple[int, ...]], None],
+        flush_after_s: float = 0.002,
     ) -> None:
         self._directory = directory
+        self._flush_after_s = flush_after_s
         self._worker = worker
         self._siblings = [prefix_socket(directory, w) for w in range(workers) if w != worker]
         self._on_record = on_record
@@ -108,9 +114,9 @@ class PrefixRelay:
             self._socket = None
 
     def send(self, node_id: str, hashes: Sequence[int]) -> None:
-        """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched to
-        the end of this event-loop turn); a prompt of more than ``MAX_HASHES`` blocks (7,371:
-        118k tokens of 16) sends its leading ones."""
+        """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched for
+        ``flush_after_s``); a prompt of more than ``MAX_HASHES`` blocks (7,371: 118k tokens of
+        16) sends its leading ones."""
         if self._socket is None or not self._siblings or not hashes:
             return
         if len(hashes) > MAX_HASHES:
@@ -126,7 +132,7 @@ class PrefixRelay:
         self.sent += 1
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._loop.call_later(self._flush_after_s, self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
