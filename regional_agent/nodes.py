@@ -122,6 +122,7 @@ class NodePool:
         self._dirty: set[NodeId] = set()  # views to rebuild into _routing at the next read
         self._health_moved = True  # since the last panic verdict
         self.shared: SharedLoad | None = None  # with several workers: their summed counts
+        self._siblings_unwoken = False  # moved counts read by a decision: the queue is owed a wake
 
     # -- membership ------------------------------------------------------------------------
 
@@ -160,6 +161,8 @@ class NodePool:
         """What routing decides over: :meth:`observed`, or in panic every active node as
         healthy.  The pool's own list, kept and updated in place between calls: read it, never
         modify or keep it."""
+        if self.shared is not None:
+            self._read_siblings()
         routing = self._routing
         if routing is not None and now >= self._views_until:
             self._expire(now)  # views that changed with time: their nodes are dirty now
@@ -388,9 +391,23 @@ class NodePool:
         moved = [NodeId(n) for n in self.shared.moved() if n in self._nodes]
         for node_id in moved:
             self._changed(node_id)
-        if moved:
+        if moved or self._siblings_unwoken:
+            self._siblings_unwoken = False
             self._wake()
         return len(moved)
+
+    def _read_siblings(self) -> None:
+        """Every read of the views reads what the siblings changed since the last read: the
+        moved nodes' views are redone, so a decision weighs their counts as they are, not as
+        they were at the last ``workers.share_interval_s`` (stale counts made two workers move
+        a prompt to the other node when one's count looked high, until every prompt sat on
+        both: docs/benchmarks.md, "Workers").  The queue's wake is left to
+        :meth:`siblings_moved`, as a decision must not route back into the queue."""
+        assert self.shared is not None
+        for n in self.shared.moved():
+            if n in self._nodes:
+                self._changed(NodeId(n))
+                self._siblings_unwoken = True
 
     # -- change notification -------------------------------------------------------------------
 

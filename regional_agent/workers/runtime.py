@@ -1,10 +1,12 @@
 """One worker's part in a multi-worker agent (``workers.count`` above 1), wired by
 ``create_app``:
 
-- its pool's views count every worker's requests (``workers.shared.LoadShare``), read every
-  ``workers.share_interval_s``, which also wakes its queue when a sibling freed a slot;
+- its pool's views count every worker's requests (``workers.shared.LoadShare``), read at
+  every decision and every ``workers.share_interval_s``, which also wakes its queue when a
+  sibling freed a slot;
 - its routed prompts go to the siblings' prefix indexes and theirs come into its own
-  (:class:`~regional_agent.workers.siblings.PrefixRelay`);
+  (:class:`~regional_agent.workers.siblings.PrefixRelay`), batched every
+  ``workers.share_interval_s`` too;
 - an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
   sibling too, over their Unix sockets, before it answers;
 - its ``/metrics`` is every worker's, each sample labelled ``worker``;
@@ -111,6 +113,7 @@ class WorkerRuntime:
             worker=worker.index,
             workers=worker.count,
             on_record=self._record,
+            flush_after_s=share_interval_s,
         )
         dispatcher.on_routed = self.relay.send
         self._admin_lock = AsyncFileLock(worker.directory / "admin.lock")

@@ -24,8 +24,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.model import AdminState
+from policies.model import AdminState, NodeId
 from regional_agent import admin
+from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import NodeSettings, Settings
 from regional_agent.workers.shared import RING, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
@@ -97,6 +98,28 @@ def test_a_node_s_last_slot_goes_to_one_worker_only(lock_file: Path) -> None:
     assert me.totals("http://a:8000") == (2, 150, 10)
     me.write("http://a:8000", 0, 0, 0)  # this worker's request ended
     assert me.reserve("http://a:8000", 2, 1, 10, 0)
+
+
+def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(
+    lock_file: Path,
+) -> None:
+    """Stale sibling counts moved prompts between nodes (docs/benchmarks.md, Workers): every
+    read of the views reads what the siblings changed, without waiting for the share loop,
+    and the share loop still wakes the queue for it."""
+    table = LoadTable(workers=2, slots=16)
+    pool = NodePool()
+    pool.shared = LoadShare(table, worker=0, lock_file=lock_file)
+    node = NodeId("http://a:8000")
+    pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
+    assert pool.views(now=0.0).by_id[node].in_flight == 0
+    woken: list[int] = []
+    pool.subscribe(lambda: woken.append(1))
+
+    LoadShare(table, worker=1, lock_file=lock_file).write(node, 3, 300, 0)  # the sibling
+    assert pool.views(now=0.0).by_id[node].in_flight == 3  # no siblings_moved() between
+    assert woken == []  # a decision does not route back into the queue
+    assert pool.siblings_moved() == 0  # the decision read the move ...
+    assert woken == [1]  # ... and the share loop owes the queue its wake
 
 
 def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
