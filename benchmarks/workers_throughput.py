@@ -1,29 +1,41 @@
-"""Throughput and prefix hits of ``meridian-agent --workers N``, saturated by wrk.
+"""Throughput and prefix routing of ``meridian-agent --workers N``, saturated by wrk.
 
 Question: do N workers serve N times what one does, and keep its prefix hit rate?
 
-Set-up: two ``meridian-sim node --profile h100-llama3-8b --time-scale 1000`` nodes (they answer
-at once and keep a prefix cache), wrk ``-t1 -c64`` sending chat requests whose prompt is one of
-``--groups`` shared system prompts (``--prompt-words`` words each, picked round robin) and a
-question that never repeats, ``max_tokens`` 2.  The agent (``meridian`` policy, a fresh process
-per run) is pinned to the last N cores, wrk and the nodes to the cores before them; where there
-are not N + 1 cores, the agent shares core 0 with them (the table says so).  Per run:
-requests/s (wrk), the agent's CPU per request (its process tree, ``/proc/<pid>/stat``), and the
-nodes' prefix hit rate over the run (``vllm:prefix_cache_hits_total`` over
-``vllm:prefix_cache_queries_total``).  Each run has 2 s of warm-up first (not counted); repeats
-are interleaved, each going once through every N in an order rotated per repeat; the table gives
-medians (and the range).
+Set-up: two nodes, wrk ``-t1 -c64`` sending chat requests whose prompt is one of ``--groups``
+shared system prompts (``--prompt-words`` words each, picked round robin) and a question that
+never repeats, ``max_tokens`` 2, each with ``X-Request-ID: g<group>-<n>``.  The nodes are either
+
+- ``--nodes static`` (the default): one nginx answering as two vLLM servers with fixed bodies
+  (``_static_nodes.py``: 14-20 µs of CPU a request, so the cores are left to the agent).  The
+  routing measure is the **prompt affinity**: of each system prompt's requests, the share that
+  went to the node that got most of them (from the ids each node logged), summed over prompts;
+  1.0 when every prompt stays on one node, about 0.5 when each request goes to either node at
+  random; or
+- ``--nodes sim``: two ``meridian-sim node --profile h100-llama3-8b --time-scale 1000`` nodes
+  (they answer at once and keep a prefix cache; Python, they cost about what the agent does).
+  The routing measure is the nodes' prefix hit rate over the run
+  (``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``).
+
+The agent (``--policy``, default ``meridian``; a fresh process per run) is pinned to the last N
+cores, wrk and the nodes to the cores before them; where there are not N + 1 cores, the agent
+shares core 0 with them (the table says so, and how much of the cores wrk and the nodes took).
+Per run: requests/s (wrk), the agent's CPU per request (its process tree,
+``/proc/<pid>/stat``), the machine's busy cores (``/proc/stat``), the routing measure.  Each run
+has 2 s of warm-up first (not counted); repeats are interleaved, each going once through every
+N in an order rotated per repeat; the table gives medians (and the range).
 
 ``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
 CPU per request against one worker's is what the sharing costs (the prefix records each worker
 inserts for its siblings, the reads of their counts, a second event loop).
 
-    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--one-core] [--repeats 3]
-        [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300] [--out-dir DIR]
+    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
+        [--one-core] [--policy meridian] [--repeats 3] [--duration-s 10] [--connections 64]
+        [--groups 8] [--prompt-words 300] [--out-dir DIR]
 
-Writes workers_throughput.json, .md and .png (``workers_throughput_one_core.*`` with
-``--one-core``) to benchmarks/results/; progress on stderr.  Needs
-``wrk`` and ``taskset`` (Debian: ``apt-get install wrk util-linux``).
+Writes workers_throughput[_sim][_one_core].json, .md and .png to benchmarks/results/; progress
+on stderr.  Needs ``wrk``, ``taskset`` and, for static nodes, ``nginx`` (Debian: ``apt-get
+install wrk util-linux nginx-light``).
 """
 
 from __future__ import annotations
@@ -32,14 +44,16 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -48,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agent_overhead as ao
 import proxy_overhead as po
 import router_cpu as rc
+from _static_nodes import StaticNodes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -60,10 +75,12 @@ local headers = {["Content-Type"] = "application/json"}
 local system = [==[SYSTEM_PROMPT]==]
 request = function()
   counter = counter + 1
+  local group = counter % groups
+  headers["X-Request-ID"] = string.format("g%d-%d", group, counter)
   local body = string.format(
     '{"model":"%s","messages":[{"role":"system","content":"Group %d. %s"},' ..
     '{"role":"user","content":"Question %d: answer in one word."}],"max_tokens":2}',
-    model, counter % groups, system, counter)
+    model, group, system, counter)
   return wrk.format("POST", "/v1/chat/completions", headers, body)
 end
 """ + rc._LUA[rc._LUA.index("done = function") :]
@@ -86,9 +103,90 @@ async def _prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def start_agent(workers: int, node_urls: Sequence[str], cpus: set[int], logdir: Path) -> ao.Child:
+def prompt_affinity(logs: Sequence[Sequence[str]]) -> float | None:
+    """Of each system prompt's requests, the share on the node that got most of them, over
+    every prompt (module docstring); ``logs``: the request ids each node answered."""
+    by_group: dict[str, Counter[int]] = {}
+    for node, ids in enumerate(logs):
+        for request_id in ids:
+            if not request_id.startswith("g"):
+                continue  # the agent's own requests (probes, scrapes) carry no id
+            group = request_id.split("-", 1)[0]
+            by_group.setdefault(group, Counter())[node] += 1
+    total = sum(sum(c.values()) for c in by_group.values())
+    return sum(max(c.values()) for c in by_group.values()) / total if total else None
+
+
+class Nodes(Protocol):
+    urls: list[str]
+
+    def mark(self) -> None:
+        """The routing measure starts now."""
+
+    def routing(self) -> float | None:
+        """The routing measure since :meth:`mark`."""
+
+    def pids(self) -> list[int]:
+        """The nodes' processes, each with its children (``po.tree_cpu_s``, ``po.pin``)."""
+
+    def stop(self) -> None: ...
+
+
+class SimNodes:
+    """Two simulated nodes; the routing measure is their prefix hit rate."""
+
+    measure = "node prefix hit rate"
+
+    def __init__(self, logdir: Path, cpu: int) -> None:
+        self._children = [ao.spawn_node(i, profile="h100-llama3-8b", time_scale=1000,
+                                        logdir=logdir) for i in range(2)]  # fmt: skip
+        self.urls = [ao.wait_ready(c) for c in self._children]
+        for c in self._children:
+            po.pin(c.proc.pid, {cpu})
+        self._at = (0.0, 0.0)
+
+    def mark(self) -> None:
+        self._at = asyncio.run(_prefix_counters(self.urls))
+
+    def routing(self) -> float | None:
+        hits, queries = asyncio.run(_prefix_counters(self.urls))
+        return (hits - self._at[0]) / (queries - self._at[1]) if queries > self._at[1] else None
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self._children]
+
+    def stop(self) -> None:
+        ao.stop_all(self._children)
+
+
+class Static:
+    """Two static nodes in one nginx; the routing measure is the prompt affinity."""
+
+    measure = "prompt affinity"
+
+    def __init__(self, logdir: Path, cpu: int) -> None:
+        self._nodes = StaticNodes(2, logdir / "nginx")
+        self.urls = self._nodes.urls
+        po.pin(self._nodes.pid, {cpu})  # and its worker
+
+    def mark(self) -> None:
+        self._nodes.take_logs()
+
+    def routing(self) -> float | None:
+        return prompt_affinity(self._nodes.take_logs())
+
+    def pids(self) -> list[int]:
+        return [self._nodes.pid]  # the worker is counted with its master (po.tree_cpu_s)
+
+    def stop(self) -> None:
+        self._nodes.stop()
+
+
+def start_agent(
+    workers: int, node_urls: Sequence[str], cpus: set[int], logdir: Path, policy: str = "meridian"
+) -> ao.Child:
     argv = ["-m", "regional_agent.cli", "--port", "0", "--workers", str(workers),
-            "--policy", "meridian", "--log-level", "WARNING"]  # fmt: skip
+            "--policy", policy, "--log-level", "WARNING"]  # fmt: skip
     for url in node_urls:
         argv += ["--node", url]
     child = ao.spawn(f"agent-{workers}", argv, logdir)
@@ -101,7 +199,7 @@ def start_agent(workers: int, node_urls: Sequence[str], cpus: set[int], logdir: 
 def run_once(
     workers: int,
     *,
-    node_urls: Sequence[str],
+    nodes: Nodes,
     agent_cpus: set[int],
     load_cpu: int,
     script: Path,
@@ -109,7 +207,7 @@ def run_once(
     args: argparse.Namespace,
     logdir: Path,
 ) -> dict[str, Any]:
-    agent = start_agent(workers, node_urls, agent_cpus, logdir)
+    agent = start_agent(workers, nodes.urls, agent_cpus, logdir, policy=args.policy)
     try:
         asyncio.run(_wait(agent.url, model))
         os.environ["BENCH_GROUPS"] = str(args.groups)  # the script's; rc.run_wrk passes it on
@@ -125,13 +223,17 @@ def run_once(
             )
 
         wrk(2.0)  # warm-up
-        hits0, queries0 = asyncio.run(_prefix_counters(node_urls))
+        nodes.mark()
         cpu0 = po.tree_cpu_s(agent.proc.pid)
+        nodes_cpu0 = sum(po.tree_cpu_s(p) for p in nodes.pids())
+        wrk_cpu0 = _children_cpu_s()
         t0 = time.perf_counter()
         res = wrk(args.duration_s)
         elapsed = time.perf_counter() - t0
         cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
-        hits1, queries1 = asyncio.run(_prefix_counters(node_urls))
+        nodes_cpu = sum(po.tree_cpu_s(p) for p in nodes.pids()) - nodes_cpu0
+        wrk_cpu = _children_cpu_s() - wrk_cpu0  # wrk is the only child waited for meanwhile
+        routing = nodes.routing()
     finally:
         ao.stop_all([agent])
     n = res["requests"]
@@ -144,9 +246,19 @@ def run_once(
         "requests_per_s": n / (res["duration_us"] / 1e6),
         "cpu_us_per_request": cpu / n * 1e6 if n else None,
         "cores_busy": cpu / elapsed,
-        "prefix_hit_rate": (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else None,
+        # wrk and the nodes: what the agent could not have where it shares their core
+        "load_cores_busy": (wrk_cpu + nodes_cpu) / elapsed,
+        "wrk_cpu_us_per_request": wrk_cpu / n * 1e6 if n else None,
+        "nodes_cpu_us_per_request": nodes_cpu / n * 1e6 if n else None,
+        "routing": routing,
         "latency_p99_ms": res["p99_us"] / 1000,
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def _wait(url: str, model: str) -> None:
@@ -159,8 +271,10 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for workers in sorted({r["workers"] for r in runs}):
         rows = [r for r in runs if r["workers"] == workers]
 
-        def med(key: str, rows: list[dict[str, Any]] = rows) -> dict[str, float]:
-            values = [r[key] for r in rows if r[key] is not None]
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> dict[str, float] | None:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            if not values:
+                return None
             return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
         out.append(
@@ -171,7 +285,8 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "requests_per_s": med("requests_per_s"),
                 "cpu_us_per_request": med("cpu_us_per_request"),
                 "cores_busy": med("cores_busy"),
-                "prefix_hit_rate": med("prefix_hit_rate"),
+                "load_cores_busy": med("load_cores_busy"),
+                "routing": med("routing"),
                 "latency_p99_ms": med("latency_p99_ms"),
                 "errors": sum(r["errors"] for r in rows),
             }
@@ -179,16 +294,18 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(summary: Sequence[dict[str, Any]]) -> list[str]:
+def table(summary: Sequence[dict[str, Any]], measure: str) -> list[str]:
     base = summary[0]["requests_per_s"]["median"] if summary else 1.0
 
-    def rng(s: dict[str, float], fmt: str) -> str:
+    def rng(s: dict[str, float] | None, fmt: str) -> str:
+        if s is None:
+            return "-"
         return f"{s['median']:{fmt}} ({s['min']:{fmt}} to {s['max']:{fmt}})"
 
     lines = [
-        "| workers | agent cores | requests/s | of one worker's | CPU per request, µs | cores busy "
-        "| node prefix hit rate | p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workers | agent cores | requests/s | of one worker's | CPU per request, µs "
+        f"| agent cores busy | wrk + nodes cores busy | {measure} | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         cores = ",".join(str(c) for c in s["agent_cpus"])
@@ -198,13 +315,14 @@ def table(summary: Sequence[dict[str, Any]]) -> list[str]:
             f"| {s['workers']} | {cores} | {rng(s['requests_per_s'], ',.0f')} "
             f"| {s['requests_per_s']['median'] / base:.2f}x "
             f"| {rng(s['cpu_us_per_request'], ',.0f')} "
-            f"| {rng(s['cores_busy'], '.2f')} | {rng(s['prefix_hit_rate'], '.3f')} "
+            f"| {rng(s['cores_busy'], '.2f')} | {rng(s['load_cores_busy'], '.2f')} "
+            f"| {rng(s['routing'], '.3f')} "
             f"| {rng(s['latency_p99_ms'], '.1f')} | {s['errors']} |"
         )
     return lines
 
 
-def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
+def plot(summary: Sequence[dict[str, Any]], subtitle: str, measure: str, path: Path) -> None:
     plt = rc._pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [s["workers"] for s in summary]
@@ -213,15 +331,22 @@ def plot(summary: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
     left.plot(
         xs, [rps[0] * x for x in xs], linestyle="--", color="grey", label="N times one worker"
     )
+    left.plot(
+        xs,
+        [rps[0] * x * 0.8 for x in xs],
+        linestyle=":",
+        color="grey",
+        label="80 % of N times one worker",
+    )
     left.set_xlabel("workers")
     left.set_ylabel("requests/s")
     left.set_xticks(xs)
     left.legend()
-    hit = [s["prefix_hit_rate"]["median"] for s in summary]
-    right.bar([str(x) for x in xs], hit)
+    values = [s["routing"]["median"] if s["routing"] else 0.0 for s in summary]
+    right.bar([str(x) for x in xs], values)
     right.set_ylim(0, 1)
     right.set_xlabel("workers")
-    right.set_ylabel("nodes' prefix hit rate")
+    right.set_ylabel(measure)
     fig.suptitle(f"meridian-agent --workers N, saturated by wrk\n{subtitle}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -232,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     parser.add_argument("--quick", action="store_true", help="1 repeat of 5 s")
     parser.add_argument("--workers", default=",".join(str(n) for n in range(1, len(cpus) + 1)))
+    parser.add_argument("--nodes", choices=("static", "sim"), default="static")
+    parser.add_argument("--policy", default="meridian")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=64)
@@ -257,20 +384,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         logdir = Path(tmp)
         script = logdir / "chat.lua"
         script.write_text(_LUA.replace("SYSTEM_PROMPT", rc.system_prompt(args.prompt_words)))
-        nodes = [ao.spawn_node(i, profile="h100-llama3-8b", time_scale=1000, logdir=logdir)
-                 for i in range(2)]  # fmt: skip
+        nodes: SimNodes | Static = (
+            Static(logdir, load_cpu) if args.nodes == "static" else SimNodes(logdir, load_cpu)
+        )
         try:
-            node_urls = [ao.wait_ready(c) for c in nodes]
-            for c in nodes:
-                po.pin(c.proc.pid, {load_cpu})
-            model = asyncio.run(rc._serving([], node_urls[0]))
+            model = asyncio.run(rc._serving([], nodes.urls[0]))
             for rep in range(args.repeats):
                 order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
                 for workers in order:
                     agent_cpus = {cpus[-1]} if args.one_core else set(cpus[-workers:])
                     row = run_once(
                         workers,
-                        node_urls=node_urls,
+                        nodes=nodes,
                         agent_cpus=agent_cpus,
                         load_cpu=load_cpu,
                         script=script,
@@ -280,20 +405,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                     row["repeat"] = rep
                     runs.append(row)
+                    routing = row["routing"]
                     log(
                         f"repeat {rep + 1}/{args.repeats} workers {workers}: "
                         f"{row['requests_per_s']:,.0f} req/s, "
                         f"{row['cpu_us_per_request']:.0f} µs/request, "
-                        f"cores {row['cores_busy']:.2f}, hit rate {row['prefix_hit_rate']:.3f}, "
+                        f"agent cores {row['cores_busy']:.2f}, "
+                        f"wrk + nodes cores {row['load_cores_busy']:.2f}, "
+                        f"{nodes.measure} "
+                        f"{'-' if routing is None else format(routing, '.3f')}, "
                         f"errors {row['errors']}"
                     )
         finally:
-            ao.stop_all(nodes)
+            nodes.stop()
     summary = summarise(runs)
     mach = ao.machine()
     subtitle = (
-        f"wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} system prompts of "
-        f"{args.prompt_words} words, {args.repeats} interleaved repeats; "
+        f"{'static (nginx)' if args.nodes == 'static' else 'simulated'} nodes, policy "
+        f"{args.policy}; wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} "
+        f"system prompts of {args.prompt_words} words, {args.repeats} interleaved repeats; "
         f"{'every worker on one core; ' if args.one_core else ''}"
         f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
     )
@@ -301,15 +431,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "workers_throughput",
         "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "machine": mach,
+        "routing_measure": nodes.measure,
         "runs": runs,
         "summary": summary,
     }
-    name = "workers_throughput_one_core" if args.one_core else "workers_throughput"
+    name = "workers_throughput"
+    name += "_sim" if args.nodes == "sim" else ""
+    name += "_one_core" if args.one_core else ""
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
-    md = [f"# meridian-agent --workers N ({subtitle})", "", *table(summary), ""]
+    lines = table(summary, nodes.measure)
+    md = [f"# meridian-agent --workers N ({subtitle})", "", *lines, ""]
     (args.out_dir / f"{name}.md").write_text("\n".join(md))
-    print("\n".join(table(summary)))
-    plot(summary, subtitle, args.out_dir / f"{name}.png")
+    print("\n".join(lines))
+    plot(summary, subtitle, nodes.measure, args.out_dir / f"{name}.png")
     return 0
 
 
