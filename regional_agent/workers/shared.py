@@ -20,8 +20,9 @@ counts the new request in one step, so two workers can never both take a node's 
 A reader learns which nodes its siblings' writes touched from their generations and rings:
 a sibling whose generation moved by less than RING since the last read wrote the slots its ring
 names; one that moved more (or was cleared) makes the reader compare every slot's versions, and
-so does every ``SCAN_EVERY``-th read, a backstop for an entry read before it was stored (x86-64
-keeps stores in order, arm64 need not).
+so does a read ``SCAN_EVERY_S`` after the last such comparison, a backstop for an entry read
+before it was stored (x86-64 keeps stores in order, arm64 need not).  The backstop goes by time,
+not by reads: reads come with every decision, and a comparison costs a pass over every slot.
 
 A worker that dies leaves its counts behind; the supervisor zeroes them
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
@@ -34,6 +35,7 @@ import hashlib
 import logging
 import mmap
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ _MAGIC = 0x4D455249  # "MERI"
 _FIELDS = 4  # in_flight, tokens, prefill, version
 _VERSION = 3
 RING = 64  # slots of its last writes each worker names (module docstring)
-SCAN_EVERY = 25  # reads between full comparisons (50 ms at workers.share_interval_s 2 ms)
+SCAN_EVERY_S = 0.05  # seconds between full comparisons (module docstring)
 
 
 def node_key(node_id: str) -> int:
@@ -95,7 +97,7 @@ class LoadShare:
         self._by_slot: dict[int, str] = {}  # the reverse, of the slotted ones
         self._versions: dict[int, int] = {}  # slot -> the sum of its versions at the last scan
         self._generations = [0] * table.workers  # each worker's, as last read
-        self._reads = 0
+        self._scanned_s = time.monotonic()  # the last backstop
         self._written = 0  # every worker's generations summed, at the last backstop
         self._ring = table.rings_at + worker * RING
         self._span = table.workers * _FIELDS
@@ -205,9 +207,10 @@ class LoadShare:
         cells, me = self._cells, self._worker
         seen = self._generations
         slots: set[int] = set()
-        self._reads += 1
         scan = False
-        if self._reads % SCAN_EVERY == 0:  # the backstop, unless nobody wrote since the last
+        clock = time.monotonic()
+        if clock - self._scanned_s >= SCAN_EVERY_S:  # the backstop, unless nobody wrote since
+            self._scanned_s = clock
             written = sum(cells[1 : 1 + self._table.workers])
             scan, self._written = written != self._written, written
         for worker in range(self._table.workers):

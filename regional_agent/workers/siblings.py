@@ -87,9 +87,10 @@ class PrefixRelay:
         self._socket: socket.socket | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._flush_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None  # the pending batch's flush
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sent = 0  # records sent (to each sibling)
+        self.datagrams = 0  # batches sent (to each sibling)
         self.received = 0
         self.dropped = 0  # datagrams a sibling did not take (restarting, or its buffer full)
         self.malformed = 0
@@ -107,6 +108,8 @@ class PrefixRelay:
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def close(self) -> None:
+        """Send the pending batch, then close the socket."""
+        self._flush()
         if self._socket is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._socket.fileno())
@@ -126,21 +129,25 @@ class PrefixRelay:
         except OverflowError:
             return  # not a 64-bit hash: nothing a sibling's index could match
         if self._pending_bytes + len(record) > MAX_DATAGRAM:
-            self._flush()
+            self._flush()  # a full batch leaves now, and its timer goes with it
         self._pending.append(record)
         self._pending_bytes += len(record)
         self.sent += 1
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_later(self._flush_after_s, self._flush)
+        if self._timer is None and self._loop is not None:
+            self._timer = self._loop.call_later(self._flush_after_s, self._flush)
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
+        """Send the pending batch; at most one timer is ever pending, so batches leave at most
+        once per ``flush_after_s`` besides the full ones."""
+        if self._timer is not None:
+            self._timer.cancel()  # a no-op when it is the timer that runs this
+            self._timer = None
         if not self._pending or self._socket is None:
             return
         datagram = b"".join(self._pending)
         self._pending.clear()
         self._pending_bytes = 0
+        self.datagrams += 1
         for sibling in self._siblings:
             try:
                 self._socket.sendto(datagram, str(sibling))

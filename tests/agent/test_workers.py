@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.model import AdminState, NodeId
-from regional_agent import admin
+from regional_agent import admin, request_ids
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import NodeSettings, Settings
-from regional_agent.workers.shared import RING, LoadShare, LoadTable
+from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
 from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
 from tests.conftest import NodeFactory
@@ -137,6 +137,28 @@ def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
     assert me.moved() == {nodes[0], nodes[4]}
 
 
+def test_a_write_whose_ring_entry_was_read_stale_is_found_by_the_timed_backstop(
+    lock_file: Path,
+) -> None:
+    """arm64 may show a sibling's new generation before its ring entry: the reader then looks
+    at the wrong slot, and only the backstop, ``SCAN_EVERY_S`` after the last, finds the
+    write (by time: reads come with every decision)."""
+    table = LoadTable(workers=2, slots=64)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    a, b = "http://a:8000", "http://b:8000"
+    assert me.totals(a) == me.totals(b) == (0, 0, 0)  # both slotted here
+    assert me.moved() == set()
+    other = LoadShare(table, worker=1, lock_file=lock_file)
+    other.write(a, 2, 20, 0)
+    # what the reader sees of a stale ring entry: the write's ring entry names b's slot
+    generation = table.cells[1 + 1]
+    table.cells[table.rings_at + RING + generation % RING] = me.slot(b) or 0
+    assert me.moved() == {b}  # a's write missed ...
+    assert me.moved() == set()
+    time.sleep(SCAN_EVERY_S + 0.01)
+    assert me.moved() == {a}  # ... until the backstop compares every slot
+
+
 def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
     lock_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -212,6 +234,70 @@ async def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_he
             ("http://b:8000", tuple(range(MAX_HASHES))),
         ]
     assert relays[0].dropped == 0 and relays[1].malformed == 0
+
+
+async def test_a_full_batch_leaves_at_once_and_the_relay_keeps_one_timer(tmp_path: Path) -> None:
+    """Batches leave at most once per ``flush_after_s`` besides the full ones: a full batch that
+    left early takes its timer with it (a stray timer doubled the datagrams for good)."""
+    flush_after_s = 0.02
+    got: list[tuple[str, tuple[int, ...]]] = []
+    relays = [
+        PrefixRelay(
+            directory=tmp_path,
+            worker=w,
+            workers=2,
+            on_record=lambda node, hashes: got.append((node, hashes)),
+            flush_after_s=flush_after_s,
+        )
+        for w in range(2)
+    ]
+    for relay in relays:
+        relay.start()
+    sender = relays[0]
+    try:
+        sender.send("http://b:8000", [1, 2, 3])  # a batch starts: its timer runs
+        await asyncio.sleep(flush_after_s / 2)  # half way through it,
+        for i in range(4):  # records of nearly a datagram each: every send fills a batch
+            sender.send("http://a:8000", list(range(i, i + MAX_HASHES)))
+        assert sender.datagrams == 3  # the first big one joins the small one
+        loop = asyncio.get_running_loop()
+        start, before = loop.time(), sender.datagrams
+        while loop.time() - start < 0.3:  # then a steady trickle of small records
+            sender.send("http://b:8000", [1, 2, 3])
+            await asyncio.sleep(0.001)
+        elapsed, steady = loop.time() - start, sender.datagrams - before
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(got) == sender.sent:
+                break
+    finally:
+        for relay in relays:
+            relay.close()
+    assert steady <= elapsed / flush_after_s + 2, (steady, elapsed)
+    assert len(got) == sender.sent and relays[1].malformed == 0
+
+
+def test_a_forked_process_makes_request_ids_of_its_own() -> None:
+    """Each ``--workers`` worker is a fork: its ids must not repeat its parent's or a sibling's
+    (the prefix is drawn again in the child; the counter is not reset, and need not be)."""
+    mine = request_ids.new()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.write(write, request_ids.new().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    theirs = os.read(read, 100).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(theirs) == len(mine) == 32
+    assert theirs[:16] != mine[:16]  # the process's prefix
+    assert request_ids.new()[:16] == mine[:16]  # the parent keeps its own
 
 
 async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not_found(
