@@ -70,6 +70,10 @@ events {{ worker_connections 4096; }}
 http {{
   access_log off;
   client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi;
+  scgi_temp_path {dir}/scgi;
   keepalive_requests 100000000;
   keepalive_timeout 300s;
   log_format ids '$http_x_request_id';
@@ -115,9 +119,12 @@ class StaticNodes:
                     pass
                 if self._proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise SystemExit(
-                        f"nginx did not serve {url}: {(self.dir / 'error.log').read_text()}"
+                    said = "".join(
+                        path.read_text(errors="replace")
+                        for path in (self.dir / "nginx.stderr", self.dir / "error.log")
+                        if path.exists()
                     )
+                    raise SystemExit(f"nginx did not serve {url}: {said}")
                 time.sleep(0.05)
 
     @property

@@ -8,8 +8,8 @@ never repeats, ``max_tokens`` 2, each with ``X-Request-ID: g<group>-<n>``.  The 
 
 - ``--nodes static`` (the default): one nginx answering as two vLLM servers with fixed bodies
   (``_static_nodes.py``: 14-20 µs of CPU a request, so the cores are left to the agent).  The
-  routing measure is the **prompt affinity**: of each system prompt's requests, the share that
-  went to the node that got most of them (from the ids each node logged), summed over prompts;
+  routing measure is the **prompt affinity**: the share of all requests that went to the node
+  that got most of their system prompt's requests (from the ids each node logged);
   1.0 when every prompt stays on one node, about 0.5 when each request goes to either node at
   random; or
 - ``--nodes sim``: two ``meridian-sim node --profile h100-llama3-8b --time-scale 1000`` nodes
