@@ -678,6 +678,14 @@ async def test_a_killed_worker_is_started_again_and_its_counts_are_cleared(
         os.kill(pids[holder], signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
             await long  # its worker died: the connection is gone
+        # The kernel may close the dead worker's connection before its listening socket (fds
+        # close in number order, and an accepted one can have the lower number): a connection
+        # made meanwhile would land in that socket's queue and be reset with it.  Once the
+        # supervisor has reaped the worker, every descriptor of it is closed.
+        for _ in range(100):
+            if f"worker {holder} was killed by SIGKILL" in agent.log_text():
+                break
+            await asyncio.sleep(0.02)
         started = time.monotonic()
         replies = [await _chat(client, agent.url, f"after {i}") for i in range(6)]
         assert [r.status_code for r in replies] == [200] * 6
