@@ -119,6 +119,7 @@ def prompt_affinity(logs: Sequence[Sequence[str]]) -> float | None:
 
 class Nodes(Protocol):
     urls: list[str]
+    measure: str  # what routing() measures, for the table
 
     def mark(self) -> None:
         """The routing measure starts now."""
@@ -384,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logdir = Path(tmp)
         script = logdir / "chat.lua"
         script.write_text(_LUA.replace("SYSTEM_PROMPT", rc.system_prompt(args.prompt_words)))
-        nodes: SimNodes | Static = (
+        nodes: Nodes = (
             Static(logdir, load_cpu) if args.nodes == "static" else SimNodes(logdir, load_cpu)
         )
         try:

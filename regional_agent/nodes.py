@@ -388,26 +388,29 @@ class NodePool:
         Returns how many of this pool's nodes moved."""
         if self.shared is None:
             return 0
-        moved = [NodeId(n) for n in self.shared.moved() if n in self._nodes]
-        for node_id in moved:
-            self._changed(node_id)
-        if moved or self._siblings_unwoken:
+        moved = self._read_siblings()
+        if self._siblings_unwoken:
             self._siblings_unwoken = False
             self._wake()
-        return len(moved)
+        return moved
 
-    def _read_siblings(self) -> None:
+    def _read_siblings(self) -> int:
         """Every read of the views reads what the siblings changed since the last read: the
         moved nodes' views are redone, so a decision weighs their counts as they are, not as
         they were at the last ``workers.share_interval_s`` (stale counts made two workers move
         a prompt to the other node when one's count looked high, until every prompt sat on
         both: docs/benchmarks.md, "Workers").  The queue's wake is left to
-        :meth:`siblings_moved`, as a decision must not route back into the queue."""
+        :meth:`siblings_moved`, as a decision must not route back into the queue.  Returns
+        how many of this pool's nodes moved."""
         assert self.shared is not None
+        moved = 0
         for n in self.shared.moved():
             if n in self._nodes:
                 self._changed(NodeId(n))
-                self._siblings_unwoken = True
+                moved += 1
+        if moved:
+            self._siblings_unwoken = True
+        return moved
 
     # -- change notification -------------------------------------------------------------------
 
