@@ -5,12 +5,14 @@ in front of real ``meridian-sim`` processes (docs/agent.md, Workers)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -98,6 +100,58 @@ def test_a_node_s_last_slot_goes_to_one_worker_only(lock_file: Path) -> None:
     assert me.totals("http://a:8000") == (2, 150, 10)
     me.write("http://a:8000", 0, 0, 0)  # this worker's request ended
     assert me.reserve("http://a:8000", 2, 1, 10, 0)
+
+
+def test_a_reservation_takes_the_lock_only_near_the_node_s_limit(lock_file: Path) -> None:
+    """With room to spare for every sibling's reservation under way, a reservation stands
+    without the lock; one that could take the last slots waits for it."""
+    table = LoadTable(workers=3, slots=16)  # two siblings: a read may miss 2 reservations
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    node = "http://a:8000"
+    me.slot(node)  # claimed now: claiming takes the lock too
+    held = os.open(lock_file, os.O_RDWR)  # the lock, held as a sibling would hold it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    results: list[bool] = []
+
+    def reserve(in_flight: int) -> threading.Thread:
+        def run() -> None:
+            results.append(me.reserve(node, 4, in_flight, 0, 0))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(timeout=0.3)
+        return thread
+
+    try:
+        assert not reserve(1).is_alive()  # 1 of 4: 2 slots left for what a read may miss
+        assert not reserve(2).is_alive()  # 2 of 4: as many
+        third = reserve(3)  # 3 of 4: it needs the lock
+        assert third.is_alive()
+        assert results == [True, True]
+    finally:
+        fcntl.flock(held, fcntl.LOCK_UN)
+        os.close(held)
+    third.join(timeout=5)
+    assert results == [True, True, True]
+    assert me.totals(node) == (3, 0, 0)
+
+
+def test_a_reservation_that_does_not_fit_is_undone(lock_file: Path) -> None:
+    """A reservation is written before the sum is read; one that finds the node full leaves
+    this worker's counts as they were."""
+    table = LoadTable(workers=2, slots=16)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    node = "http://a:8000"
+    assert me.reserve(node, 3, 1, 100, 10)
+    assert me.reserve(node, 3, 2, 150, 20)
+
+    def sibling() -> None:
+        other = LoadShare(table, worker=1, lock_file=lock_file)
+        assert other.reserve(node, 3, 1, 7, 7)  # the third of three slots
+
+    _in_child(sibling)
+    assert not me.reserve(node, 3, 3, 999, 99)
+    assert me.totals(node) == (3, 157, 27)  # this worker's 2, 150, 20 and the sibling's
 
 
 def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(
