@@ -255,6 +255,11 @@ def create(name: str, config: RoutingConfig) -> Policy:
     return factory(config)
 
 
+def learns_prefixes(policy: Policy) -> bool:
+    """Whether ``policy`` routes by what :meth:`Policy.observe_routed` taught it."""
+    return isinstance(policy, _Indexed)
+
+
 def prefix_index_bytes(policy: Policy) -> int | None:
     """About what ``policy``'s prefix index holds now, in bytes; ``None`` for a policy without
     one (``PrefixIndex.estimated_bytes``)."""

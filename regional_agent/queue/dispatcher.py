@@ -17,13 +17,14 @@ that outranks someone waiting sheds the newest waiting request of the lowest cla
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from meridian_service.clock import Clock
 from policies import admission, routing
@@ -35,6 +36,15 @@ from regional_agent.settings import QueueSettings
 log = logging.getLogger(__name__)
 
 _CHOICES = 3  # decisions a request may take when sibling workers keep taking the chosen slot
+
+
+class PrefixClaims(Protocol):
+    """With several workers, the prompts a sibling sent somewhere moments ago, before the
+    prefix relay tells this worker (``regional_agent.workers.shared.LoadShare``)."""
+
+    def claimed(self, hashes: Sequence[int], start: int) -> tuple[str, int] | None: ...
+
+    def claim(self, node_id: str, hashes: Sequence[int], start: int) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -112,6 +122,9 @@ class Dispatcher:
         self.stats = DispatchStats()
         # with several workers: tells the siblings where a prompt went (workers.siblings)
         self.on_routed: Callable[[NodeId, tuple[int, ...]], None] | None = None
+        # with several workers: where they sent new prompts moments ago (_with_claims)
+        self.claims: PrefixClaims | None = None
+        self._learns = routing.learns_prefixes(policy)
         pool.subscribe(self.pump)
 
     # -- public ----------------------------------------------------------------------------
@@ -119,6 +132,7 @@ class Dispatcher:
     def set_policy(self, policy: routing.Policy) -> None:
         log.info("routing policy changed from=%s to=%s", self.policy.name, policy.name)
         self.policy = policy
+        self._learns = routing.learns_prefixes(policy)
         self.pump()
 
     def depth(self, model: str | None = None) -> int:
@@ -217,6 +231,41 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _with_claims(
+        self,
+        claims: PrefixClaims,
+        request: RequestView,
+        views: Sequence[NodeView],
+        decision: Decision,
+        target: NodeId,
+        now: float,
+    ) -> tuple[Decision, NodeId]:
+        """Where this worker's index holds less of the prompt than a sibling's claim covers
+        (the sibling sent it somewhere moments ago and the relay has not said so yet), the
+        claim is learnt as if relayed and the request chosen again: N workers that meet a new
+        prompt at once send it where one agent would (``workers.shared``, module docstring).
+        The prompt's blocks past what the index held are claimed for the node chosen, at once,
+        so that a sibling deciding on the same prompt now reads the claim the sooner."""
+        hashes = request.block_hashes
+        found = claims.claimed(hashes, decision.expected_hit_tokens // request.block_tokens)
+        if found is not None and found[0] != target and found[0] in self._pool:
+            node_id = NodeId(found[0])
+            head = RequestView(
+                model=request.model,
+                prompt_tokens=0,
+                max_tokens=0,
+                block_hashes=hashes[: found[1]],
+                block_tokens=request.block_tokens,
+            )
+            self.policy.observe_routed(head, node_id, now=now)
+            again = self.policy.choose(request, views, now=now, rng=self._rng)
+            if again.node is not None:
+                decision, target = again, again.node
+                if target == node_id:  # counted apart (the reason's first word)
+                    decision = dataclasses.replace(again, reason=f"sibling-claim: {again.reason}")
+        claims.claim(target, hashes, decision.expected_hit_tokens // request.block_tokens)
+        return decision, target
+
     def _try_route(
         self,
         request: RequestView,
@@ -231,25 +280,29 @@ class Dispatcher:
             if exclude:  # a retry: a plain list, which every policy scores in full
                 views = [v for v in views if v.node_id not in exclude]
             decision = self.policy.choose(request, views, now=now, rng=self._rng)
-            if decision.node is None:
+            target = decision.node
+            if target is None:
                 return None
+            claims = self.claims
+            if claims is not None and self._learns and request.block_hashes:
+                decision, target = self._with_claims(claims, request, views, decision, target, now)
             prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
-            if self._pool.acquire(decision.node, tokens=tokens, prefill=prefill):
+            if self._pool.acquire(target, tokens=tokens, prefill=prefill):
                 break
             # a sibling worker took the node's last slot since this worker's view: choose
             # again on its fresh count
             views = self._pool.views(now=now)
         else:
             return None  # it waits: a freed slot wakes the queue
-        self.policy.observe_routed(request, decision.node, now=now)
+        self.policy.observe_routed(request, target, now=now)
         if self.on_routed is not None and request.block_hashes:
-            self.on_routed(decision.node, request.block_hashes)
-        node = self._pool.get(decision.node)
+            self.on_routed(target, request.block_hashes)
+        node = self._pool.get(target)
         if node is not None:
             node.decisions.append(decision.reason)
         self.stats.routed[decision.reason.split(":")[0]] += 1
         lease = Lease(
-            node_id=decision.node,
+            node_id=target,
             decision=decision,
             tokens=tokens,
             prefill_tokens=prefill,
@@ -257,7 +310,7 @@ class Dispatcher:
             policy=self.policy.name,
             _dispatcher=self,
         )
-        self._leases.setdefault(decision.node, set()).add(lease)
+        self._leases.setdefault(target, set()).add(lease)
         return lease
 
     def _shed_for(self, request: RequestView, *, now: float) -> bool:

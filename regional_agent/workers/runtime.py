@@ -116,6 +116,7 @@ class WorkerRuntime:
             flush_after_s=share_interval_s,
         )
         dispatcher.on_routed = self.relay.send
+        dispatcher.claims = self.share
         self._admin_lock = AsyncFileLock(worker.directory / "admin.lock")
 
     def start(self) -> None:

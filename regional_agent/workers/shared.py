@@ -8,6 +8,7 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. W * RING]            each worker's ring: the slots of its last RING writes
     [.. S]                   node keys: slot s holds the 63-bit key of one node id (0: free)
     [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
+    [.. CLAIMS * 3]          claims: block hash key, (node slot + 1) << 16 | worker, µs stamp
 
 No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
 which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
@@ -35,6 +36,20 @@ so does a read ``SCAN_EVERY_S`` after the last such comparison, a backstop for a
 before it was stored (x86-64 keeps stores in order, arm64 need not).  The backstop goes by time,
 not by reads: reads come with every decision, and a comparison costs a pass over every slot.
 
+Claims cover the moments before the prefix relay (``workers.siblings``) tells the siblings
+where a new prompt went.  When 64 clients start at once with 8 system prompts, each worker
+meets each prompt for the first time within the same millisecond, and without a word from the
+others each sends it to the node it finds least loaded: a prompt lands on two nodes, and stays
+on both (docs/benchmarks.md, "Workers").  So a worker that routes a prompt whose leading
+blocks its index did not hold claims them for the node (:meth:`LoadShare.claim`: the first
+``CLAIM_BLOCKS``, keyed by block hash), and a worker whose own index holds less of a prompt
+asks the claims first (:meth:`LoadShare.claimed`); the dispatcher learns a sibling's claim as
+if it were relayed and chooses again.  A claim is written without a lock (its stamp last, and
+read first and again after the rest, so a torn read is ignored); the hardware's reordering and
+two workers routing the same new prompt within the same microseconds can still put it on two
+nodes.  Claims older than ``CLAIM_TTL_S`` are ignored (the relay has told everyone by then),
+and overwritten.
+
 A worker that dies leaves its counts behind; the supervisor zeroes them
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
 """
@@ -47,6 +62,7 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -56,6 +72,12 @@ _FIELDS = 4  # in_flight, tokens, prefill, version
 _VERSION = 3
 RING = 64  # slots of its last writes each worker names (module docstring)
 SCAN_EVERY_S = 0.05  # seconds between full comparisons (module docstring)
+CLAIMS = 8192  # claim entries (module docstring): 192 KiB
+CLAIM_BLOCKS = 32  # leading blocks of a prompt a claim covers (512 tokens of 16)
+CLAIM_TTL_S = 1.0  # a claim older than this is ignored
+_CLAIM_PROBES = 8  # entries tried for a key, from its home entry on
+_KEY_MASK = (1 << 63) - 1
+_WORKER_BITS = 16
 
 
 def node_key(node_id: str) -> int:
@@ -75,7 +97,8 @@ class LoadTable:
         self.rings_at = 1 + workers
         self.keys_at = self.rings_at + workers * RING
         self.cells_at = self.keys_at + slots
-        size = self.cells_at + slots * workers * _FIELDS
+        self.claims_at = self.cells_at + slots * workers * _FIELDS
+        size = self.claims_at + CLAIMS * 3
         self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
         self.cells = memoryview(self._map).cast("q")
         self.cells[0] = _MAGIC
@@ -251,6 +274,79 @@ class LoadShare:
             slots = self._scan()
         by_slot = self._by_slot
         return {by_slot[s] for s in slots if s in by_slot}
+
+    # -- claims --------------------------------------------------------------------------------
+
+    def claim(self, node_id: str, hashes: Sequence[int], start: int) -> None:
+        """This worker sent a prompt of ``hashes`` to ``node_id``, where its index held only
+        the first ``start`` blocks: the blocks from ``start`` to ``CLAIM_BLOCKS`` are claimed
+        for the node (module docstring)."""
+        end = min(len(hashes), CLAIM_BLOCKS)
+        if start >= end:
+            return
+        slot = self.slot(node_id)
+        if slot is None:
+            return
+        cells = self._cells
+        value = (slot + 1) << _WORKER_BITS | self._worker
+        stamp = time.monotonic_ns() // 1000 or 1
+        for i in range(start, end):
+            key = hashes[i] & _KEY_MASK or 1
+            at = self._claim_entry(key, stamp)
+            cells[at + 2] = 0  # first: a reader between these stores ignores the entry
+            cells[at] = key
+            cells[at + 1] = value
+            cells[at + 2] = stamp
+
+    def claimed(self, hashes: Sequence[int], start: int) -> tuple[str, int] | None:
+        """The node a sibling claimed block ``start`` of ``hashes`` for within
+        ``CLAIM_TTL_S``, and how many leading blocks of ``hashes`` its claims there cover
+        (more than ``start``); None when no sibling claimed that block."""
+        end = min(len(hashes), CLAIM_BLOCKS)
+        if start >= end:
+            return None
+        oldest = time.monotonic_ns() // 1000 - int(CLAIM_TTL_S * 1e6)
+        value = self._claim_value(hashes[start] & _KEY_MASK or 1, oldest)
+        if value is None or value & ((1 << _WORKER_BITS) - 1) == self._worker:
+            return None
+        node_id = self._by_slot.get((value >> _WORKER_BITS) - 1)
+        if node_id is None:
+            return None  # a node this worker has never counted: not in its pool
+        depth = start + 1
+        while depth < end and self._claim_value(hashes[depth] & _KEY_MASK or 1, oldest) == value:
+            depth += 1
+        return node_id, depth
+
+    def _claim_entry(self, key: int, stamp: int) -> int:
+        """Where ``key``'s claim goes: its entry, else a free or expired one, else the oldest
+        of those tried."""
+        cells, base = self._cells, self._table.claims_at
+        expired = stamp - int(CLAIM_TTL_S * 1e6)
+        home = key % CLAIMS
+        oldest_at, oldest = -1, 0
+        for i in range(_CLAIM_PROBES):
+            at = base + (home + i) % CLAIMS * 3
+            held = cells[at + 2]
+            if cells[at] == key or held < expired:
+                return at
+            if oldest_at < 0 or held < oldest:
+                oldest_at, oldest = at, held
+        return oldest_at
+
+    def _claim_value(self, key: int, oldest: int) -> int | None:
+        cells, base = self._cells, self._table.claims_at
+        home = key % CLAIMS
+        for i in range(_CLAIM_PROBES):
+            at = base + (home + i) % CLAIMS * 3
+            held = cells[at]
+            if held == 0:
+                return None  # never written: the probe ends (entries are never emptied)
+            stamp = cells[at + 2]
+            if held == key and stamp >= oldest:
+                value = cells[at + 1]
+                if cells[at + 2] == stamp and cells[at] == key:  # not rewritten meanwhile
+                    return value
+        return None
 
     def _scan(self) -> set[int]:
         """Every slotted node whose versions moved since the last scan (a sibling wrote more

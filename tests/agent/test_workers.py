@@ -8,6 +8,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import random
 import selectors
 import signal
 import subprocess
@@ -26,10 +27,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.model import AdminState, NodeId
+from meridian_service.clock import MonotonicClock
+from policies import routing
+from policies.model import AdminState, NodeId, RequestView
 from regional_agent import admin, request_ids
 from regional_agent.nodes import Node, NodePool
-from regional_agent.settings import NodeSettings, Settings
+from regional_agent.queue import Dispatcher
+from regional_agent.settings import NodeSettings, QueueSettings, Settings
+from regional_agent.workers import shared
 from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
 from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
@@ -152,6 +157,68 @@ def test_a_reservation_that_does_not_fit_is_undone(lock_file: Path) -> None:
     _in_child(sibling)
     assert not me.reserve(node, 3, 3, 999, 99)
     assert me.totals(node) == (3, 157, 27)  # this worker's 2, 150, 20 and the sibling's
+
+
+def test_a_sibling_s_claim_names_its_node_and_how_far_it_covers_the_prompt(
+    lock_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = LoadTable(workers=2, slots=16)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    node = "http://a:8000"
+    me.slot(node)  # as the pool's views slot every node
+    theirs = tuple(range(1, 41))  # 40 blocks
+    mine = theirs[:10] + tuple(range(1000, 1030))  # the same first 10 blocks
+
+    def sibling() -> None:
+        LoadShare(table, worker=1, lock_file=lock_file).claim(node, theirs, 0)
+
+    _in_child(sibling)
+    assert me.claimed(mine, 0) == (node, 10)
+    assert me.claimed(mine, 4) == (node, 10)
+    assert me.claimed(mine, 10) is None  # the sibling's prompt goes on otherwise
+    assert me.claimed(theirs, 0) == (node, shared.CLAIM_BLOCKS)  # no deeper than claims go
+    assert me.claimed(theirs, shared.CLAIM_BLOCKS) is None
+    me.claim(node, mine, 10)
+    assert me.claimed(mine, 10) is None  # this worker's own claim: its index has it
+    monkeypatch.setattr(shared, "CLAIM_TTL_S", 0.0)
+    assert me.claimed(mine, 0) is None  # too old: the relay has told every worker by now
+
+
+async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(lock_file: Path) -> None:
+    """Two workers meet a new prompt at once (docs/benchmarks.md, Workers): the second sends
+    it where the first did, before any relayed record, though its views find that node the
+    busier by the first's request; without the claims it goes to the other node."""
+    table = LoadTable(workers=2, slots=16)
+    nodes = [NodeId("http://a:8000"), NodeId("http://b:8000")]
+
+    def worker(index: int) -> Dispatcher:
+        pool = NodePool()
+        pool.shared = LoadShare(table, worker=index, lock_file=lock_file)
+        for node in nodes:
+            pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
+        dispatcher = Dispatcher(
+            pool=pool,
+            policy=routing.create("meridian", routing.RoutingConfig()),
+            settings=QueueSettings(),
+            clock=MonotonicClock(),
+            rng=random.Random(index),
+        )
+        dispatcher.claims = pool.shared
+        return dispatcher
+
+    def chat(tail: int) -> RequestView:
+        hashes = (*range(1, 31), tail)  # a system prompt of 30 blocks, a question
+        return RequestView(model=MODEL, prompt_tokens=500, max_tokens=10, block_hashes=hashes)
+
+    first, second = worker(0), worker(1)
+    there = (await first.acquire(chat(100), tokens=510)).node_id
+    assert (await second.acquire(chat(200), tokens=510)).node_id == there
+    assert second.stats.routed == {"sibling-claim": 1}  # and so in the decisions metric
+
+    alone = worker(1)  # the same views, without the claims
+    alone.claims = None
+    elsewhere = (await alone.acquire(chat(300), tokens=510)).node_id
+    assert elsewhere != there
 
 
 def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(
