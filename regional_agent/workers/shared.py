@@ -40,15 +40,16 @@ Claims cover the moments before the prefix relay (``workers.siblings``) tells th
 where a new prompt went.  When 64 clients start at once with 8 system prompts, each worker
 meets each prompt for the first time within the same millisecond, and without a word from the
 others each sends it to the node it finds least loaded: a prompt lands on two nodes, and stays
-on both (docs/benchmarks.md, "Workers").  So a worker that routes a prompt whose leading
-blocks its index did not hold claims them for the node (:meth:`LoadShare.claim`: the first
-``CLAIM_BLOCKS``, keyed by block hash), and a worker whose own index holds less of a prompt
-asks the claims first (:meth:`LoadShare.claimed`); the dispatcher learns a sibling's claim as
-if it were relayed and chooses again.  A claim is written without a lock (its stamp last, and
-read first and again after the rest, so a torn read is ignored); the hardware's reordering and
-two workers routing the same new prompt within the same microseconds can still put it on two
-nodes.  Claims older than ``CLAIM_TTL_S`` are ignored (the relay has told everyone by then),
-and overwritten.
+on both (docs/benchmarks.md, "Workers").  So a worker that routes a prompt whose head its index
+did not hold claims the head for the node (:meth:`LoadShare.claim`: blocks 4, 8, 16 and 32 of
+the prompt, ``CLAIM_AT``, keyed by block hash: at most four entries, and none for a prompt
+whose first 32 blocks the index held), and a worker whose own index holds less of a prompt
+asks the claims first (:meth:`LoadShare.claimed`: one read for a prompt nobody claimed); the
+dispatcher learns a sibling's claim as if it were relayed and chooses again.  A claim is
+written without a lock (its stamp last, and read first and again after the rest, so a torn
+read is ignored); the hardware's reordering and two workers routing the same new prompt within
+the same microseconds can still put it on two nodes.  Claims older than ``CLAIM_TTL_S`` are
+ignored (the relay has told everyone by then), and overwritten.
 
 A worker that dies leaves its counts behind; the supervisor zeroes them
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
@@ -72,9 +73,9 @@ _FIELDS = 4  # in_flight, tokens, prefill, version
 _VERSION = 3
 RING = 64  # slots of its last writes each worker names (module docstring)
 SCAN_EVERY_S = 0.05  # seconds between full comparisons (module docstring)
-CLAIMS = 8192  # claim entries (module docstring): 192 KiB
-CLAIM_BLOCKS = 32  # leading blocks of a prompt a claim covers (512 tokens of 16)
-CLAIM_TTL_S = 1.0  # a claim older than this is ignored
+CLAIMS = 16384  # claim entries (module docstring): 384 KiB
+CLAIM_AT = (3, 7, 15, 31)  # the blocks claimed: a prompt's 4th, 8th, 16th, 32nd (of 16 tokens)
+CLAIM_TTL_S = 0.25  # a claim older than this is ignored (the relay says it in milliseconds)
 _CLAIM_PROBES = 8  # entries tried for a key, from its home entry on
 _KEY_MASK = (1 << 63) - 1
 _WORKER_BITS = 16
@@ -279,10 +280,9 @@ class LoadShare:
 
     def claim(self, node_id: str, hashes: Sequence[int], start: int) -> None:
         """This worker sent a prompt of ``hashes`` to ``node_id``, where its index held only
-        the first ``start`` blocks: the blocks from ``start`` to ``CLAIM_BLOCKS`` are claimed
+        the first ``start`` blocks: the blocks at ``CLAIM_AT`` from ``start`` on are claimed
         for the node (module docstring)."""
-        end = min(len(hashes), CLAIM_BLOCKS)
-        if start >= end:
+        if start > CLAIM_AT[-1] or len(hashes) <= CLAIM_AT[0]:
             return
         slot = self.slot(node_id)
         if slot is None:
@@ -290,7 +290,11 @@ class LoadShare:
         cells = self._cells
         value = (slot + 1) << _WORKER_BITS | self._worker
         stamp = time.monotonic_ns() // 1000 or 1
-        for i in range(start, end):
+        for i in CLAIM_AT:
+            if i >= len(hashes):
+                break
+            if i < start:
+                continue
             key = hashes[i] & _KEY_MASK or 1
             at = self._claim_entry(key, stamp)
             cells[at + 2] = 0  # first: a reader between these stores ignores the entry
@@ -299,22 +303,28 @@ class LoadShare:
             cells[at + 2] = stamp
 
     def claimed(self, hashes: Sequence[int], start: int) -> tuple[str, int] | None:
-        """The node a sibling claimed block ``start`` of ``hashes`` for within
-        ``CLAIM_TTL_S``, and how many leading blocks of ``hashes`` its claims there cover
-        (more than ``start``); None when no sibling claimed that block."""
-        end = min(len(hashes), CLAIM_BLOCKS)
-        if start >= end:
+        """The node a sibling claimed the blocks of ``hashes`` at ``CLAIM_AT`` from ``start``
+        on for, within ``CLAIM_TTL_S``, and how many leading blocks of ``hashes`` its claims
+        cover (more than ``start``); None when no sibling claimed the first of them."""
+        if start > CLAIM_AT[-1]:
             return None
         oldest = time.monotonic_ns() // 1000 - int(CLAIM_TTL_S * 1e6)
-        value = self._claim_value(hashes[start] & _KEY_MASK or 1, oldest)
-        if value is None or value & ((1 << _WORKER_BITS) - 1) == self._worker:
-            return None
-        node_id = self._by_slot.get((value >> _WORKER_BITS) - 1)
+        found: int | None = None
+        depth = 0
+        for i in CLAIM_AT:  # shallowest first: a prompt nobody claimed costs one read
+            if i >= len(hashes):
+                break
+            if i < start:
+                continue
+            value = self._claim_value(hashes[i] & _KEY_MASK or 1, oldest)
+            if value is None or (found is not None and value != found):
+                break
+            found, depth = value, i + 1
+        if found is None or found & ((1 << _WORKER_BITS) - 1) == self._worker:
+            return None  # none, or this worker's own claim: its index holds the prompt
+        node_id = self._by_slot.get((found >> _WORKER_BITS) - 1)
         if node_id is None:
             return None  # a node this worker has never counted: not in its pool
-        depth = start + 1
-        while depth < end and self._claim_value(hashes[depth] & _KEY_MASK or 1, oldest) == value:
-            depth += 1
         return node_id, depth
 
     def _claim_entry(self, key: int, stamp: int) -> int:

@@ -173,13 +173,16 @@ def test_a_sibling_s_claim_names_its_node_and_how_far_it_covers_the_prompt(
         LoadShare(table, worker=1, lock_file=lock_file).claim(node, theirs, 0)
 
     _in_child(sibling)
-    assert me.claimed(mine, 0) == (node, 10)
-    assert me.claimed(mine, 4) == (node, 10)
-    assert me.claimed(mine, 10) is None  # the sibling's prompt goes on otherwise
-    assert me.claimed(theirs, 0) == (node, shared.CLAIM_BLOCKS)  # no deeper than claims go
-    assert me.claimed(theirs, shared.CLAIM_BLOCKS) is None
-    me.claim(node, mine, 10)
-    assert me.claimed(mine, 10) is None  # this worker's own claim: its index has it
+    assert shared.CLAIM_AT == (3, 7, 15, 31)  # the blocks claimed
+    assert me.claimed(mine, 0) == (node, 8)  # its blocks 3 and 7 are the sibling's
+    assert me.claimed(mine, 5) == (node, 8)
+    assert me.claimed(mine, 8) is None  # block 15: the sibling's prompt went on otherwise
+    assert me.claimed(theirs, 0) == (node, 32)  # no deeper than claims go
+    assert me.claimed(theirs, 16) == (node, 32)
+    assert me.claimed(theirs, 32) is None
+    assert me.claimed(tuple(range(500, 540)), 0) is None  # another prompt
+    me.claim(node, mine, 8)
+    assert me.claimed(mine, 8) is None  # this worker's own claim: its index has it
     monkeypatch.setattr(shared, "CLAIM_TTL_S", 0.0)
     assert me.claimed(mine, 0) is None  # too old: the relay has told every worker by now
 
