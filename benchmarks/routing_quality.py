@@ -10,6 +10,7 @@ a peer from ``_peers.py`` with each of its policies), and this process as the lo
 ``meridian-events:POLICY`` is the agent routing on the nodes' own KV-cache events (the precise
 index, docs/agent.md); when it is among the routers, every node publishes its events (Unix
 sockets) for every router's runs, so all of them run against the same nodes.
+``meridian-wN:POLICY`` is the agent with ``--workers N`` (docs/agent.md, Workers).
 Trace rows become chat requests whose text reproduces the trace's block sharing
 (``_trace_prompts.py``), streamed, each generating exactly its trace output length.  Arrivals
 keep the trace's own gaps, compressed so that the mean rate is the load fraction times the
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import _trace_prompts
 import agent_overhead as ao
+import proxy_overhead as po
 
 from meridian_sim import offline, profile, workloads
 from meridian_sim.workloads import TraceRequest
@@ -382,8 +384,10 @@ def start_router(
     logdir: Path,
     peers_root: str | None,
 ) -> Router:
-    if name in ("meridian", EVENTS):
+    if name in ("meridian", EVENTS) or _workers(name):
         argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", policy]
+        if _workers(name):
+            argv += ["--workers", str(_workers(name))]
         env = None
         if name == EVENTS:  # every node's KV events, by node settings (no --node flags)
             nodes = []
@@ -504,7 +508,8 @@ async def run_all(
                     speedup = wall_rate / trace_rate
                     await settle_nodes(session, node_urls)
                     before = [await node_counters(session, u) for u in node_urls]
-                    cpu0 = {p: ao.cpu_s(p) for p in [*pids, router.pid]}
+                    cpu0 = {p: ao.cpu_s(p) for p in pids}
+                    router_cpu0 = router_cpu_s(name, router.pid)
                     machine0 = ao.machine_cpu_s()
                     log(
                         f"[{n}/{total}] {name} {policy} load {load:.0%}: {len(reqs)} requests "
@@ -512,16 +517,17 @@ async def run_all(
                     )
                     res = await replay_open_loop(session, router.url, reqs, speedup=speedup)
                     cpu = {p: ao.cpu_s(p) - c for p, c in cpu0.items()}
+                    router_cpu = router_cpu_s(name, router.pid) - router_cpu0
                     machine_cpu = ao.machine_cpu_s() - machine0
                     after = [await node_counters(session, u) for u in node_urls]
                     row = summarize(res, before, after, time_scale=args.time_scale)
-                    ours = sum(cpu.values()) + res.loadgen_cpu_s
+                    ours = sum(cpu.values()) + router_cpu + res.loadgen_cpu_s
                     row.update(
                         router=name,
                         policy=policy,
                         load=load,
                         wall_rate_req_s=wall_rate,
-                        router_cpu_cores=cpu[router.pid] / res.wall_s,
+                        router_cpu_cores=router_cpu / res.wall_s,
                         nodes_cpu_cores=sum(cpu[p] for p in pids) / res.wall_s,
                         others_cpu_cores=max(0.0, machine_cpu - ours) / res.wall_s,
                         loadavg_1m=os.getloadavg()[0],
@@ -643,11 +649,22 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str, bound: float
     return True
 
 
+def router_cpu_s(name: str, pid: int) -> float:
+    """The router's CPU seconds: with workers, the supervisor's and every worker's."""
+    return po.tree_cpu_s(pid) if _workers(name) else ao.cpu_s(pid)
+
+
+def _workers(name: str) -> int:
+    """N of a ``meridian-wN`` router (the agent with ``--workers N``), else 0."""
+    head, _, count = name.partition("-w")
+    return int(count) if head == "meridian" and count.isdigit() and int(count) > 0 else 0
+
+
 def parse_routers(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for item in text.split(","):
         name, _, policy = item.strip().partition(":")
-        if name in ("meridian", EVENTS):
+        if name in ("meridian", EVENTS) or _workers(name):
             out.append((name, policy or "meridian"))
         elif name in _peers.PEERS:
             peer = _peers.PEERS[name]
@@ -655,7 +672,8 @@ def parse_routers(text: str) -> list[tuple[str, str]]:
                 out.append((name, p))
         else:
             raise SystemExit(
-                f"unknown router {name!r}: meridian, {EVENTS} or one of {', '.join(_peers.PEERS)}"
+                f"unknown router {name!r}: meridian, meridian-wN (N workers), {EVENTS} or one "
+                f"of {', '.join(_peers.PEERS)}"
             )
     return out
 
