@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import _trace_prompts as tp
+import pytest
 
 from meridian_sim.workloads import TraceRequest
 from policies import prompt
@@ -103,3 +104,15 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert routing_quality.histogram_quantile({"t_le_+Inf": 0.0}, "t", 0.5) != 0.0  # nan
     tail = {"t_le_1.0": 1.0, "t_le_+Inf": 2.0}
     assert routing_quality.histogram_quantile(tail, "t", 0.99) == 1.0
+
+
+def test_meridian_with_workers_is_a_router_of_its_own() -> None:
+    import routing_quality
+
+    routers = routing_quality.parse_routers("meridian:meridian,meridian-w2:meridian,meridian-w4")
+    assert routers == [("meridian", "meridian"), ("meridian-w2", "meridian"),
+                       ("meridian-w4", "meridian")]  # fmt: skip
+    assert [routing_quality._workers(n) for n, _ in routers] == [0, 2, 4]
+    for bad in ("meridian-w0", "meridian-wx", "other-w2"):
+        with pytest.raises(SystemExit, match="meridian-wN"):
+            routing_quality.parse_routers(bad)
