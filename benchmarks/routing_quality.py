@@ -657,7 +657,7 @@ def router_cpu_s(name: str, pid: int) -> float:
 def _workers(name: str) -> int:
     """N of a ``meridian-wN`` router (the agent with ``--workers N``), else 0."""
     head, _, count = name.partition("-w")
-    return int(count) if head == "meridian" and count.isdigit() and int(count) > 0 else 0
+    return int(count) if head == "meridian" and count.isdecimal() and int(count) > 0 else 0
 
 
 def parse_routers(text: str) -> list[tuple[str, str]]:

@@ -147,3 +147,4 @@ class Decision:
     node: NodeId | None
     reason: str
     expected_hit_tokens: int = 0  # prompt tokens the policy expects the node to have cached
+    trial: bool = False  # a probation trial (routing.ProbationTrials), not the policy's choice

@@ -379,6 +379,7 @@ class ProbationTrials:
         return Decision(
             node=pick.node_id,
             reason=f"probation trial: one request in {self._every} goes to a node on probation",
+            trial=True,
         )
 
 

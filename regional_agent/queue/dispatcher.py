@@ -245,10 +245,14 @@ class Dispatcher:
         claim is learnt as if relayed and the request chosen again: N workers that meet a new
         prompt at once send it where one agent would (``workers.shared``, module docstring).
         The prompt's blocks past what the index held are claimed for the node chosen, at once,
-        so that a sibling deciding on the same prompt now reads the claim the sooner."""
+        so that a sibling deciding on the same prompt now reads the claim the sooner.  (Not
+        for a probation trial, which goes where it goes.  The second choice counts as a
+        decision towards the next trial too: a trial may come one decision early.)"""
         hashes = request.block_hashes
         found = claims.claimed(hashes, decision.expected_hit_tokens // request.block_tokens)
-        if found is not None and found[0] != target and found[0] in self._pool:
+        if found is not None and found[0] == target:
+            return decision, target  # claimed already, for this node
+        if found is not None and found[0] in self._pool:
             node_id = NodeId(found[0])
             head = RequestView(
                 model=request.model,
@@ -284,7 +288,7 @@ class Dispatcher:
             if target is None:
                 return None
             claims = self.claims
-            if claims is not None and self._learns and request.block_hashes:
+            if claims is not None and self._learns and request.block_hashes and not decision.trial:
                 decision, target = self._with_claims(claims, request, views, decision, target, now)
             prefill = max(0, request.prompt_tokens - decision.expected_hit_tokens)
             if self._pool.acquire(target, tokens=tokens, prefill=prefill):

@@ -42,14 +42,17 @@ meets each prompt for the first time within the same millisecond, and without a 
 others each sends it to the node it finds least loaded: a prompt lands on two nodes, and stays
 on both (docs/benchmarks.md, "Workers").  So a worker that routes a prompt whose head its index
 did not hold claims the head for the node (:meth:`LoadShare.claim`: blocks 4, 8, 16 and 32 of
-the prompt, ``CLAIM_AT``, keyed by block hash: at most four entries, and none for a prompt
-whose first 32 blocks the index held), and a worker whose own index holds less of a prompt
-asks the claims first (:meth:`LoadShare.claimed`: one read for a prompt nobody claimed); the
-dispatcher learns a sibling's claim as if it were relayed and chooses again.  A claim is
-written without a lock (its stamp last, and read first and again after the rest, so a torn
-read is ignored); the hardware's reordering and two workers routing the same new prompt within
-the same microseconds can still put it on two nodes.  Claims older than ``CLAIM_TTL_S`` are
-ignored (the relay has told everyone by then), and overwritten.
+the prompt, ``CLAIM_AT``, keyed by block hash: at most four entries, and none where the node
+chosen held the prompt's first 32 blocks), and a worker whose own index holds less of a prompt
+asks the claims first (:meth:`LoadShare.claimed`: for a prompt nobody claimed, the entries
+tried for its 4th block, at most ``_CLAIM_PROBES``); the dispatcher learns a sibling's claim
+as if it were relayed and chooses again.  A claim is written without a lock: its stamp last,
+read first and again after the rest, and its value carries bits of its key, so a read while it
+is written, or an entry two workers wrote at once, is ignored.  The hardware's reordering and
+two workers routing the same new prompt within the same microseconds can still put it on two
+nodes; and a reader whose node chosen held less of the prompt than the sibling's index did can
+miss a claim that starts deeper.  Claims older than ``CLAIM_TTL_S`` are ignored (the relay has
+told everyone by then), and overwritten.
 
 A worker that dies leaves its counts behind; the supervisor zeroes them
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
@@ -78,7 +81,12 @@ CLAIM_AT = (3, 7, 15, 31)  # the blocks claimed: a prompt's 4th, 8th, 16th, 32nd
 CLAIM_TTL_S = 0.25  # a claim older than this is ignored (the relay says it in milliseconds)
 _CLAIM_PROBES = 8  # entries tried for a key, from its home entry on
 _KEY_MASK = (1 << 63) - 1
+# a claim's value: the key's low 22 bits (a torn entry's value names another key), node slot
+# + 1 (24 bits: workers.table_slots is at most 65,536), worker (16 bits)
+_TAG_SHIFT = 40
+_TAG_MASK = (1 << 22) - 1
 _WORKER_BITS = 16
+_WORKER_MASK = (1 << _WORKER_BITS) - 1
 
 
 def node_key(node_id: str) -> int:
@@ -288,7 +296,7 @@ class LoadShare:
         if slot is None:
             return
         cells = self._cells
-        value = (slot + 1) << _WORKER_BITS | self._worker
+        node = (slot + 1) << _WORKER_BITS | self._worker
         stamp = time.monotonic_ns() // 1000 or 1
         for i in CLAIM_AT:
             if i >= len(hashes):
@@ -299,7 +307,7 @@ class LoadShare:
             at = self._claim_entry(key, stamp)
             cells[at + 2] = 0  # first: a reader between these stores ignores the entry
             cells[at] = key
-            cells[at + 1] = value
+            cells[at + 1] = (key & _TAG_MASK) << _TAG_SHIFT | node
             cells[at + 2] = stamp
 
     def claimed(self, hashes: Sequence[int], start: int) -> tuple[str, int] | None:
@@ -309,20 +317,21 @@ class LoadShare:
         if start > CLAIM_AT[-1]:
             return None
         oldest = time.monotonic_ns() // 1000 - int(CLAIM_TTL_S * 1e6)
-        found: int | None = None
-        depth = 0
-        for i in CLAIM_AT:  # shallowest first: a prompt nobody claimed costs one read
+        node = depth = 0
+        siblings = False
+        for i in CLAIM_AT:  # shallowest first: a prompt nobody claimed stops at the first
             if i >= len(hashes):
                 break
             if i < start:
                 continue
             value = self._claim_value(hashes[i] & _KEY_MASK or 1, oldest)
-            if value is None or (found is not None and value != found):
+            if value is None or (node and value >> _WORKER_BITS != node):
                 break
-            found, depth = value, i + 1
-        if found is None or found & ((1 << _WORKER_BITS) - 1) == self._worker:
-            return None  # none, or this worker's own claim: its index holds the prompt
-        node_id = self._by_slot.get((found >> _WORKER_BITS) - 1)
+            node, depth = value >> _WORKER_BITS, i + 1
+            siblings = siblings or value & _WORKER_MASK != self._worker
+        if not siblings:
+            return None  # none, or this worker's own claims only: its index holds the prompt
+        node_id = self._by_slot.get(node - 1)
         if node_id is None:
             return None  # a node this worker has never counted: not in its pool
         return node_id, depth
@@ -354,8 +363,12 @@ class LoadShare:
             stamp = cells[at + 2]
             if held == key and stamp >= oldest:
                 value = cells[at + 1]
-                if cells[at + 2] == stamp and cells[at] == key:  # not rewritten meanwhile
-                    return value
+                if (
+                    cells[at + 2] == stamp  # not rewritten meanwhile
+                    and cells[at] == key
+                    and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
+                ):
+                    return value & ((1 << _TAG_SHIFT) - 1)
         return None
 
     def _scan(self) -> set[int]:

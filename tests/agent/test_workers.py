@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import math
 import os
 import random
 import selectors
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meridian_service.clock import MonotonicClock
 from policies import routing
 from policies.model import AdminState, NodeId, RequestView
+from policies.model import Health as HealthState
 from regional_agent import admin, request_ids
 from regional_agent.nodes import Node, NodePool
 from regional_agent.queue import Dispatcher
@@ -124,13 +126,14 @@ def test_a_reservation_takes_the_lock_only_near_the_node_s_limit(lock_file: Path
 
         thread = threading.Thread(target=run)
         thread.start()
-        thread.join(timeout=0.3)
         return thread
 
     try:
-        assert not reserve(1).is_alive()  # 1 of 4: 2 slots left for what a read may miss
-        assert not reserve(2).is_alive()  # 2 of 4: as many
+        reserve(1).join(timeout=10)  # 1 of 4: 2 slots left for what a read may miss
+        reserve(2).join(timeout=10)  # 2 of 4: as many
+        assert results == [True, True]  # done while the lock is held
         third = reserve(3)  # 3 of 4: it needs the lock
+        third.join(timeout=0.3)
         assert third.is_alive()
         assert results == [True, True]
     finally:
@@ -159,8 +162,14 @@ def test_a_reservation_that_does_not_fit_is_undone(lock_file: Path) -> None:
     assert me.totals(node) == (3, 157, 27)  # this worker's 2, 150, 20 and the sibling's
 
 
+@pytest.fixture
+def claims_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims kept for a minute: a busy test host may take longer than the 0.25 s."""
+    monkeypatch.setattr(shared, "CLAIM_TTL_S", 60.0)
+
+
 def test_a_sibling_s_claim_names_its_node_and_how_far_it_covers_the_prompt(
-    lock_file: Path, monkeypatch: pytest.MonkeyPatch
+    lock_file: Path, monkeypatch: pytest.MonkeyPatch, claims_last: None
 ) -> None:
     table = LoadTable(workers=2, slots=16)
     me = LoadShare(table, worker=0, lock_file=lock_file)
@@ -187,7 +196,42 @@ def test_a_sibling_s_claim_names_its_node_and_how_far_it_covers_the_prompt(
     assert me.claimed(mine, 0) is None  # too old: the relay has told every worker by now
 
 
-async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(lock_file: Path) -> None:
+def test_claims_of_one_node_by_two_siblings_cover_the_prompt_and_a_torn_entry_is_ignored(
+    lock_file: Path, claims_last: None
+) -> None:
+    table = LoadTable(workers=3, slots=16)
+    node = "http://a:8000"
+    first = tuple(range(1, 41))
+    second = first[:10] + tuple(range(1000, 1030))  # its blocks 3 and 7 are the first's
+
+    def siblings() -> None:
+        LoadShare(table, worker=1, lock_file=lock_file).claim(node, first, 0)
+        LoadShare(table, worker=2, lock_file=lock_file).claim(node, second, 0)
+
+    _in_child(siblings)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    me.slot(node)
+    assert me.claimed(first, 0) == (node, 32)  # blocks 3 and 7 by worker 2, 15 and 31 by 1
+
+    # an entry two workers wrote at once: one's key and stamp, the other's value
+    other = tuple(range(2000, 2040))
+    me.claim(node, other, 0)
+    cells, key = table.cells, first[3]
+    at = next(
+        a for a in range(table.claims_at, table.claims_at + 3 * shared.CLAIMS, 3)
+        if cells[a] == key
+    )  # fmt: skip
+    mixed = next(
+        a for a in range(table.claims_at, table.claims_at + 3 * shared.CLAIMS, 3)
+        if cells[a] == other[3]
+    )  # fmt: skip
+    cells[at + 1] = cells[mixed + 1] | 1  # worker 1's mark, another key's value
+    assert me.claimed(first, 0) is None
+
+
+async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(
+    lock_file: Path, claims_last: None
+) -> None:
     """Two workers meet a new prompt at once (docs/benchmarks.md, Workers): the second sends
     it where the first did, before any relayed record, though its views find that node the
     busier by the first's request; without the claims it goes to the other node."""
@@ -222,6 +266,49 @@ async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(lock_fil
     alone.claims = None
     elsewhere = (await alone.acquire(chat(300), tokens=510)).node_id
     assert elsewhere != there
+
+
+async def test_a_probation_trial_is_not_moved_by_a_sibling_s_claim(
+    lock_file: Path, claims_last: None
+) -> None:
+    """A trial goes to the node on probation even where a sibling claimed the prompt for
+    another node: choosing again would give the trial away."""
+    table = LoadTable(workers=2, slots=16)
+    healthy, trying = NodeId("http://a:8000"), NodeId("http://b:8000")
+
+    class Health:
+        def state(self, node_id: NodeId, *, now: float) -> HealthState:
+            return HealthState.PROBATION if node_id == trying else HealthState.HEALTHY
+
+        def slow_start(self, node_id: NodeId, *, now: float) -> float:
+            return 1.0
+
+        def steady_until(self, node_id: NodeId, *, now: float) -> float:
+            return math.inf
+
+    pool = NodePool()
+    pool.health = Health()
+    pool.shared = LoadShare(table, worker=0, lock_file=lock_file)
+    for node in (healthy, trying):
+        pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
+    dispatcher = Dispatcher(
+        pool=pool,
+        policy=routing.create("meridian", routing.RoutingConfig(probation_every=2)),
+        settings=QueueSettings(),
+        clock=MonotonicClock(),
+        rng=random.Random(0),
+    )
+    dispatcher.claims = pool.shared
+    hashes = tuple(range(1, 33))
+    LoadShare(table, worker=1, lock_file=lock_file).claim(healthy, hashes, 0)  # the sibling
+
+    def chat() -> RequestView:
+        return RequestView(model=MODEL, prompt_tokens=512, max_tokens=10, block_hashes=hashes)
+
+    first = await dispatcher.acquire(chat(), tokens=522)  # not a trial
+    assert first.node_id == healthy and not first.decision.trial
+    second = await dispatcher.acquire(chat(), tokens=522)  # every 2nd decision: a trial
+    assert second.node_id == trying and second.decision.trial
 
 
 def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(

@@ -752,6 +752,7 @@ def test_trials_go_to_the_node_waiting_longest_and_stop_when_none_waits() -> Non
     assert trials.pick([h, b]) is None  # b waits from decision 1
     got = trials.pick([h, a, b])
     assert got is not None and got.node == "b" and "probation trial" in got.reason
+    assert got.trial  # the dispatcher takes it as it is (no sibling claims)
     assert trials.pick([h, a]) is None
     got = trials.pick([h, a])
     assert got is not None and got.node == "a"
