@@ -192,6 +192,7 @@ def create_app(
             render_metrics=instruments.render,
             share_interval_s=settings.workers.share_interval_s,
         )
+        instruments.watch_prefix_relay(runtime.relay.counts)
     request_ids.install_log_ids()
     middlewares: list[Any] = [request_ids.middleware, _errors]
     if runtime is not None:

@@ -33,6 +33,10 @@ a node of the pool serves it, else ``other``: a name a client makes up never bec
   when the agent does not publish);
 - ``meridian_agent_nodes{source}``: nodes in the pool by who added them (``static``, ``admin``,
   ``autoscaler``, ``dns:<name>``);
+- ``meridian_agent_prefix_relay_records_total{direction}`` and
+  ``meridian_agent_prefix_relay_lost_datagrams_total{cause}``: with ``--workers``, the prompts
+  a worker told its siblings and was told (``sent``, ``received``), and the datagrams lost
+  (``dropped``, ``malformed``);
 - ``meridian_agent_discovery_failures_total{source, cause}``: DNS discovery's resolutions that
   failed (``timeout``, ``servfail``, ``refused``, ``error``) or came back empty (``nxdomain``,
   ``nodata``); the nodes found last stay (regional_agent.discovery).
@@ -481,6 +485,32 @@ class Instruments:
             if self.export is not None and self.export.span_processor is not None:
                 self._traces.add_span_processor(self.export.span_processor)
             self.tracer = self._traces.get_tracer("meridian.agent")
+
+    def watch_prefix_relay(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """With several workers, the prefix relay's (``workers.siblings.PrefixRelay.counts``):
+        records sent and received, datagrams lost."""
+        meter = self._meters.get_meter("meridian.agent.workers")
+
+        def records_cb(_: CallbackOptions) -> Iterable[Observation]:
+            now = counts()
+            return [Observation(now[d], {"direction": d}) for d in ("sent", "received")]
+
+        def lost_cb(_: CallbackOptions) -> Iterable[Observation]:
+            now = counts()
+            return [Observation(now[c], {"cause": c}) for c in ("dropped", "malformed")]
+
+        meter.create_observable_counter(
+            "meridian_agent_prefix_relay_records",
+            callbacks=[records_cb],
+            description="Prefix records this worker sent its siblings (each to every one) and "
+            "received from them (--workers).",
+        )
+        meter.create_observable_counter(
+            "meridian_agent_prefix_relay_lost_datagrams",
+            callbacks=[lost_cb],
+            description="Prefix-record datagrams lost: dropped (a sibling did not take one: "
+            "restarting, or its buffer full), malformed (received, not decoded).",
+        )
 
     def watch_kv_events(
         self,

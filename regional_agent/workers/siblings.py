@@ -95,6 +95,17 @@ class PrefixRelay:
         self.dropped = 0  # datagrams a sibling did not take (restarting, or its buffer full)
         self.malformed = 0
 
+    def counts(self) -> dict[str, int]:
+        """Records sent (each to every sibling) and received, and the datagrams a sibling did
+        not take (``dropped``) or that came malformed: the metrics'
+        (``Instruments.watch_prefix_relay``)."""
+        return {
+            "sent": self.sent,
+            "received": self.received,
+            "dropped": self.dropped,
+            "malformed": self.malformed,
+        }
+
     def start(self) -> None:
         """Bind this worker's socket and read it on the running loop."""
         path = prefix_socket(self._directory, self._worker)

@@ -711,7 +711,9 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
     assert len(agent.workers()) == 2
     await _wait_models(agent.url)
     async with _fresh() as client:
-        replies = await asyncio.gather(*(_chat(client, agent.url, f"hello {i}") for i in range(40)))
+        replies = await asyncio.gather(
+            *(_chat(client, agent.url, f"hello {i} " + "and more " * 40) for i in range(40))
+        )  # a prompt of whole blocks: its record goes to the sibling
     assert [r.status_code for r in replies] == [200] * 40
     ids = [r.headers["X-Request-ID"] for r in replies]
     assert len(set(ids)) == 40, "two workers gave one request id to two requests"
@@ -722,6 +724,14 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
     assert metrics["meridian_agent_workers"] == [({}, 2.0)]
     assert metrics["meridian_agent_workers_scraped"] == [({}, 2.0)]
     assert agent.log_text().count("workers ready") == 1
+    relayed = metrics["meridian_agent_prefix_relay_records_total"]
+    sent = sum(v for labels, v in relayed if labels["direction"] == "sent")
+    received = sum(v for labels, v in relayed if labels["direction"] == "received")
+    assert sent == 40  # every routed prompt, to the one sibling
+    assert 0 < received <= sent  # a batch may still be on its way (2 ms)
+    lost = metrics["meridian_agent_prefix_relay_lost_datagrams_total"]
+    assert {labels["cause"] for labels, _ in lost} == {"dropped", "malformed"}
+    assert sum(v for _, v in lost) == 0
 
 
 async def test_the_slots_of_a_node_are_counted_over_every_worker(
