@@ -6,13 +6,17 @@ pointed at an etcd endpoint where nothing listens (a replica cut off from etcd: 
 
 Regions as in tests/meridianctl/stack.py: eu-west (backup eu-north) and eu-north, geography and
 residency eu; us-east, geography us.  eu-north has two nodes (one is killed to see an
-ejection), the others one.  The BIND fixture's view ``geo-a`` serves eu, ``default`` us.
+ejection), the others one.  eu-north also has a second agent, ``eu-north-workers``, with two
+workers (``--workers``; it does not publish, which several workers may not yet): its series
+come once per worker, labelled ``worker``, as every query over agents must take.  The BIND
+fixture's view ``geo-a`` serves eu, ``default`` us.
 Windows of 1 s, 2 strikes, a 2 s agent lease: a dead region is failed about 5 s after its
 agent dies.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +36,30 @@ AGENT_TTL_S, HEARTBEAT_S = 2, 1.0
 NODES = {"eu-west": 1, "eu-north": 2, "us-east": 1}
 ADDRESSES = {"eu-west": "192.0.2.11", "eu-north": "192.0.2.12", "us-east": "198.51.100.13"}
 OPERATOR_TOKEN = TOKENS["operator"]
+
+
+WORKERS_AGENT = "eu-north-workers"  # Fleet.agents' key of the agent with two workers
+
+
+def workers_agent_toml(region: dict[str, Any], nodes: list[NodeProc]) -> str:
+    """An agent of ``region`` with two workers, publishing nothing (no etcd)."""
+    listed = "".join(f'[[nodes]]\nurl = "{n.url}"\n\n' for n in nodes)
+    return f"""{listed}
+[region]
+id = "{region["id"]}"
+geo = "{region["geo"]}"
+residency = {json.dumps(list(region["residency"]))}
+
+[workers]
+count = 2
+
+[health]
+probe_interval_s = 0.2
+probe_timeout_s = 0.5
+
+[telemetry]
+scrape_interval_s = 0.2
+"""
 
 
 def agent_toml(region: dict[str, Any], nodes: list[NodeProc], etcd_url: str) -> str:
@@ -118,6 +146,10 @@ class Fleet:
             config = agent_toml(region, self.nodes[rid], self.etcd_url)
             self.agents[rid] = AgentProc(port=free_port(), log_dir=self.logs, config=config)
             self.agents[rid].start()
+        north = next(r for r in REGIONS if r["id"] == "eu-north")
+        config = workers_agent_toml(north, self.nodes["eu-north"])
+        self.agents[WORKERS_AGENT] = AgentProc(port=free_port(), log_dir=self.logs, config=config)
+        self.agents[WORKERS_AGENT].start()
         nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         for name, etcd in (("ctl-a", [self.etcd_url]), ("ctl-b", [self.etcd_url]),
                            ("ctl-c", [nowhere])):  # fmt: skip
