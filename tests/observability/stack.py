@@ -16,7 +16,6 @@ agent dies.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,23 +42,10 @@ WORKERS_AGENT = "eu-north-workers"  # Fleet.agents' key of the agent with two wo
 
 def workers_agent_toml(region: dict[str, Any], nodes: list[NodeProc]) -> str:
     """An agent of ``region`` with two workers, publishing nothing (no etcd)."""
-    listed = "".join(f'[[nodes]]\nurl = "{n.url}"\n\n' for n in nodes)
-    return f"""{listed}
-[region]
-id = "{region["id"]}"
-geo = "{region["geo"]}"
-residency = {json.dumps(list(region["residency"]))}
-
-[workers]
-count = 2
-
-[health]
-probe_interval_s = 0.2
-probe_timeout_s = 0.5
-
-[telemetry]
-scrape_interval_s = 0.2
-"""
+    return fast_agent_toml(
+        region=region["id"], geo=region["geo"], residency=region["residency"],
+        endpoint=f"https://{ADDRESSES[region['id']]}", etcd=[], nodes=[n.url for n in nodes],
+    ) + "\n[workers]\ncount = 2\n"  # fmt: skip
 
 
 def agent_toml(region: dict[str, Any], nodes: list[NodeProc], etcd_url: str) -> str:
