@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,10 +92,12 @@ op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=60), st.sampled_from([0.0, 0.6]))
+@given(st.lists(st.tuples(op, st.booleans()), max_size=60), st.sampled_from([0.0, 0.6]))
 def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
-    ops: list[tuple], panic_threshold: float
+    ops: list[tuple[tuple, bool]], panic_threshold: float
 ) -> None:
+    """After any changes, read after each or after several (a node's moves between two
+    reads are redone at the read), the kept views are the fresh ones."""
     pool = NodePool(panic_threshold=panic_threshold)
     sources = Sources()
     pool.health = sources
@@ -102,7 +106,7 @@ def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
         pool.add(Node(node_id=node_id, url=f"http://{node_id}", models=frozenset({"m"})))
     now = 0.0
     held: dict[NodeId, list[tuple[int, int]]] = {n: [] for n in NODES}  # tokens, prefill left
-    for step in ops:
+    for number, (step, read) in enumerate(ops):
         kind = step[0]
         if kind == "tick":
             now += step[1]
@@ -137,12 +141,44 @@ def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
                 held[step[1]] = []
             else:
                 pool.add(Node(node_id=step[1], url=f"http://{step[1]}", models=frozenset({"m"})))
+        if not read and number < len(ops) - 1:
+            continue
         fresh = _fresh(pool, now)
         expected = health.routing_views(fresh, health.panic(fresh, threshold=panic_threshold))
         got = pool.views(now=now)
         assert [_no_age(v) for v in got] == expected, step
         assert got.by_id == {v.node_id: v for v in got}
         assert [_no_age(v) for v in pool.observed(now=now)] == fresh
+
+
+def test_a_node_that_moved_several_times_between_reads_is_rebuilt_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A view costs 3 µs to build and a request moves its node three times (a dispatch, a first
+    token, a completion): the view is redone at the next read, once."""
+    pool = NodePool()
+    node_id = NodeId("a")
+    pool.add(Node(node_id=node_id, url="http://a", models=frozenset({"m"})))
+    pool.views(now=1.0)
+    built: list[NodeId] = []
+    build = pool._view
+
+    def counted(node: Node, *rest: Any) -> NodeView:
+        built.append(node.node_id)
+        return build(node, *rest)
+
+    monkeypatch.setattr(pool, "_view", counted)
+    pool.acquire(node_id, tokens=10, prefill=4)
+    pool.first_token(node_id, prefill=4)
+    pool.acquire(node_id, tokens=7, prefill=2)
+    pool.release(node_id, tokens=10, failed=False)
+    assert built == []
+    view = pool.views(now=1.0)[0]
+    assert built == [node_id]
+    assert (view.in_flight, view.in_flight_tokens, view.prefill_tokens) == (1, 7, 2)
+    pool.release(node_id, tokens=7, failed=False, prefill=2)
+    assert pool.observed(now=1.0)[0].in_flight == 0  # a status read sees it too
+    assert built == [node_id, node_id]
 
 
 def test_views_are_not_rebuilt_while_nothing_changes() -> None:
