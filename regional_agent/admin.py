@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -33,21 +34,26 @@ from regional_agent.edge import EDGE, Edge
 from regional_agent.errors import BadRequest, Conflict, NotFound, Unauthorized
 from regional_agent.nodes import Node
 from regional_agent.settings import GROUPS_POLICY, NodeSettings
-from regional_agent.workers.runtime import from_sibling
+from regional_agent.workers.runtime import Handler, from_sibling
 
 log = logging.getLogger(__name__)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(
+    app: web.Application, *, relayed: Callable[[Handler], Handler] | None = None
+) -> None:
+    """The admin endpoints; ``relayed`` wraps the ones that change something (with several
+    workers, ``WorkerRuntime.relayed`` makes the change on every worker)."""
+    change = relayed or (lambda handler: handler)
     r = app.router
     r.add_get("/admin/nodes", list_nodes)
-    r.add_post("/admin/nodes", add_node)
-    r.add_delete("/admin/nodes/{node_id}", remove_node)
-    r.add_post("/admin/nodes/{node_id}/drain", drain)
-    r.add_post("/admin/nodes/{node_id}/undrain", undrain)
-    r.add_put("/admin/nodes/{node_id}/weight", set_weight)
+    r.add_post("/admin/nodes", change(add_node))
+    r.add_delete("/admin/nodes/{node_id}", change(remove_node))
+    r.add_post("/admin/nodes/{node_id}/drain", change(drain))
+    r.add_post("/admin/nodes/{node_id}/undrain", change(undrain))
+    r.add_put("/admin/nodes/{node_id}/weight", change(set_weight))
     r.add_get("/admin/policy", get_policy)
-    r.add_put("/admin/policy", set_policy)
+    r.add_put("/admin/policy", change(set_policy))
     r.add_get("/admin/queue", queue)
     r.add_get("/admin/autoscaler", autoscaler_state)
 

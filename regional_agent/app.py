@@ -194,10 +194,10 @@ def create_app(
         )
         instruments.watch_prefix_relay(runtime.relay.counts)
     request_ids.install_log_ids()
-    middlewares: list[Any] = [request_ids.middleware, _errors]
-    if runtime is not None:
-        middlewares.append(runtime.relay_admin)
-    app = web.Application(middlewares=middlewares, client_max_size=settings.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[request_ids.middleware, _errors],
+        client_max_size=settings.server.max_body_bytes,
+    )
     app[EDGE] = edge
     if runtime is not None:
         app[WORKERS] = runtime
@@ -254,7 +254,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    admin.add_routes(app)
+    admin.add_routes(app, relayed=None if runtime is None else runtime.relayed)
     app.cleanup_ctx.append(_background)
     return app
 

@@ -155,7 +155,16 @@ class WorkerRuntime:
 
     # -- the admin API and metrics, for every worker ------------------------------------------
 
-    @web.middleware
+    def relayed(self, handler: Handler) -> Handler:
+        """``handler``, an admin endpoint's, with :meth:`relay_admin` around it.  The admin
+        routes are wrapped one by one rather than by a middleware, which every inference
+        request would pass through too (2-3 µs of CPU a request)."""
+
+        async def relay(request: web.Request) -> web.StreamResponse:
+            return await self.relay_admin(request, handler)
+
+        return relay
+
     async def relay_admin(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """An admin change this worker made is made on its siblings too (module docstring).
         Changes are made one at a time over all workers (a lock file), so two changes that
