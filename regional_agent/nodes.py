@@ -4,9 +4,8 @@ accounting of what it has in flight there.
 Health and telemetry live with their owners (``health.HealthMonitor``,
 ``telemetry.Scraper``); :meth:`NodePool.views` joins all three into the frozen
 ``policies.model.NodeView`` snapshots that routing decides over.  The views are kept between
-requests, not rebuilt for each: a node's view is rebuilt when the agent's accounting of it moved
-(a dispatch, a first token, a completion), at the next read of the views (a node that moved
-three times between two decisions is rebuilt once), every view when :meth:`NodePool.notify` says
+requests, not rebuilt for each: a node's view is rebuilt when the agent's accounting of it moves
+(a dispatch, a first token, a completion), every view when :meth:`NodePool.notify` says
 something else changed (a scrape round, a health change, an admin action, membership), and a
 view whose health or telemetry changes by itself with time (an ejection that ends, a slow start
 that ramps, a sample that goes stale) when that time comes.  A view's ``telemetry.age_s`` is
@@ -121,7 +120,6 @@ class NodePool:
         self._positions: dict[NodeId, int] = {}  # node -> its place in _routing
         self._built: dict[NodeId, tuple[Health, AdminState]] = {}  # as _routing was built
         self._dirty: set[NodeId] = set()  # views to rebuild into _routing at the next read
-        self._recount: set[NodeId] = set()  # nodes whose counts moved since the last read
         self._health_moved = True  # since the last panic verdict
         self.shared: SharedLoad | None = None  # with several workers: their summed counts
         self._siblings_unwoken = False  # moved counts read by a decision: the queue is owed a wake
@@ -165,8 +163,6 @@ class NodePool:
         modify or keep it."""
         if self.shared is not None:
             self._read_siblings()
-        if self._recount:
-            self._recounted()
         routing = self._routing
         if routing is not None and now >= self._views_until:
             self._expire(now)  # views that changed with time: their nodes are dirty now
@@ -188,8 +184,6 @@ class NodePool:
 
     def observed(self, *, now: float) -> list[NodeView]:
         """Every node with its observed health (never adjusted for panic)."""
-        if self._recount:
-            self._recounted()
         views = self._views
         if len(views) == len(self._nodes) and now < self._views_until:
             return [views[node_id][0] for node_id in self._nodes]
@@ -220,21 +214,9 @@ class NodePool:
 
     def _changed(self, node_id: NodeId) -> None:
         """The agent's own accounting of ``node_id`` moved (a dispatch, a first token, a
-        completion, a sibling's counts): its view is redone at the next read of the views
-        (:meth:`_recounted`).  A view costs 3 µs to build, and a node moves three times a
-        request (more with siblings, whose moves are read at each decision), while a decision
-        reads it once."""
-        self._recount.add(node_id)
-
-    def _recounted(self) -> None:
-        """Redo the kept views of the nodes whose counts moved, in place in the routing views,
-        so a decision reads them as they are.  Their health and telemetry stand until the
-        view's time comes or a notify (their changes notify)."""
-        for node_id in self._recount:
-            self._recount_one(node_id)
-        self._recount.clear()
-
-    def _recount_one(self, node_id: NodeId) -> None:
+        completion, a sibling's counts): its kept view is redone with the new counts now, in
+        place in the routing views, so the next decision reads it as it is.  Its health and
+        telemetry stand until the view's time comes or a notify (their changes notify)."""
         node = self._nodes.get(node_id)
         cached = self._views.get(node_id)
         if node is None or cached is None:
@@ -441,7 +423,6 @@ class NodePool:
         self._views.clear()
         self._routing = None
         self._dirty.clear()
-        self._recount.clear()  # every view is built again, with the counts as they are then
         self._health_moved = True
         self._wake()
 

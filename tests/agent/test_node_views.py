@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,36 +147,6 @@ def test_cached_views_equal_fresh_ones_after_any_sequence_of_changes(
         assert [_no_age(v) for v in got] == expected, step
         assert got.by_id == {v.node_id: v for v in got}
         assert [_no_age(v) for v in pool.observed(now=now)] == fresh
-
-
-def test_a_node_that_moved_several_times_between_reads_is_rebuilt_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A view costs 3 µs to build and a request moves its node three times (a dispatch, a first
-    token, a completion): the view is redone at the next read, once."""
-    pool = NodePool()
-    node_id = NodeId("a")
-    pool.add(Node(node_id=node_id, url="http://a", models=frozenset({"m"})))
-    pool.views(now=1.0)
-    built: list[NodeId] = []
-    build = pool._view
-
-    def counted(node: Node, *rest: Any) -> NodeView:
-        built.append(node.node_id)
-        return build(node, *rest)
-
-    monkeypatch.setattr(pool, "_view", counted)
-    pool.acquire(node_id, tokens=10, prefill=4)
-    pool.first_token(node_id, prefill=4)
-    pool.acquire(node_id, tokens=7, prefill=2)
-    pool.release(node_id, tokens=10, failed=False)
-    assert built == []
-    view = pool.views(now=1.0)[0]
-    assert built == [node_id]
-    assert (view.in_flight, view.in_flight_tokens, view.prefill_tokens) == (1, 7, 2)
-    pool.release(node_id, tokens=7, failed=False, prefill=2)
-    assert pool.observed(now=1.0)[0].in_flight == 0  # a status read sees it too
-    assert built == [node_id, node_id]
 
 
 def test_views_are_not_rebuilt_while_nothing_changes() -> None:
