@@ -27,7 +27,10 @@ N in an order rotated per repeat; the table gives medians (and the range).
 
 ``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
 CPU per request against one worker's is what the sharing costs (the prefix records each worker
-inserts for its siblings, the reads of their counts, a second event loop).
+inserts for its siblings, the reads of their counts, a second event loop).  It takes more
+workers than the host has cores (up to 16), for what grows with N: each worker takes in its
+N - 1 siblings' records, and N event loops take turns on the core (which separate cores would
+not), so the growth it shows is an upper bound for the sharing's.
 
     python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
         [--one-core] [--policy meridian] [--repeats 3] [--duration-s 10] [--connections 64]
@@ -49,6 +52,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -65,6 +69,7 @@ import router_cpu as rc
 from _static_nodes import StaticNodes
 
 ROOT = Path(__file__).resolve().parents[1]
+_ONE_CORE_MAX = 16  # workers --one-core takes
 RESULTS = ROOT / "benchmarks" / "results"
 
 _LUA = r"""
@@ -323,11 +328,46 @@ def table(summary: Sequence[dict[str, Any]], measure: str) -> list[str]:
     return lines
 
 
-def plot(summary: Sequence[dict[str, Any]], subtitle: str, measure: str, path: Path) -> None:
+def plot(
+    summary: Sequence[dict[str, Any]],
+    subtitle: str,
+    measure: str,
+    path: Path,
+    *,
+    one_core: bool = False,
+) -> None:
     plt = rc._pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [s["workers"] for s in summary]
-    rps = [s["requests_per_s"]["median"] for s in summary]
+    if one_core:  # the throughput cannot grow: what each worker more costs a request
+        cpu = [s["cpu_us_per_request"] for s in summary]
+        left.errorbar(
+            xs,
+            [c["median"] for c in cpu],
+            yerr=[[c["median"] - c["min"] for c in cpu], [c["max"] - c["median"] for c in cpu]],
+            marker="o",
+            capsize=3,
+            label="measured (median, range)",
+        )
+        left.set_ylim(bottom=0)
+        left.set_ylabel("agent CPU per request, µs")
+    else:
+        _throughput(left, xs, [s["requests_per_s"]["median"] for s in summary])
+    left.set_xlabel("workers")
+    left.set_xticks(xs)
+    left.legend()
+    values = [s["routing"]["median"] if s["routing"] else 0.0 for s in summary]
+    right.bar([str(x) for x in xs], values)
+    right.set_ylim(0, 1)
+    right.set_xlabel("workers")
+    right.set_ylabel(measure)
+    wrapped = "\n".join(textwrap.wrap(subtitle, 120))
+    fig.suptitle(f"meridian-agent --workers N, saturated by wrk\n{wrapped}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _throughput(left: Any, xs: list[int], rps: list[float]) -> None:
     left.plot(xs, rps, marker="o", label="measured")
     left.plot(
         xs, [rps[0] * x for x in xs], linestyle="--", color="grey", label="N times one worker"
@@ -339,18 +379,7 @@ def plot(summary: Sequence[dict[str, Any]], subtitle: str, measure: str, path: P
         color="grey",
         label="80 % of N times one worker",
     )
-    left.set_xlabel("workers")
     left.set_ylabel("requests/s")
-    left.set_xticks(xs)
-    left.legend()
-    values = [s["routing"]["median"] if s["routing"] else 0.0 for s in summary]
-    right.bar([str(x) for x in xs], values)
-    right.set_ylim(0, 1)
-    right.set_xlabel("workers")
-    right.set_ylabel(measure)
-    fig.suptitle(f"meridian-agent --workers N, saturated by wrk\n{subtitle}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,8 +400,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.duration_s = 1, 5.0
     counts = [int(n) for n in args.workers.split(",")]
-    if max(counts) > len(cpus):
-        parser.error(f"--workers: at most {len(cpus)} here (the cores this process may use)")
+    if args.one_core and max(counts) > _ONE_CORE_MAX:
+        parser.error(f"--workers: at most {_ONE_CORE_MAX} with --one-core")
+    if not args.one_core and max(counts) > len(cpus):
+        parser.error(
+            f"--workers: at most {len(cpus)} here (the cores this process may use); "
+            "--one-core takes more, on one core"
+        )
     for tool in ("wrk", "taskset"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: apt-get install wrk util-linux")
@@ -444,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = [f"# meridian-agent --workers N ({subtitle})", "", *lines, ""]
     (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(lines))
-    plot(summary, subtitle, nodes.measure, args.out_dir / f"{name}.png")
+    plot(summary, subtitle, nodes.measure, args.out_dir / f"{name}.png", one_core=args.one_core)
     return 0
 
 
