@@ -202,6 +202,8 @@ def create_app(
     if runtime is not None:
         app[WORKERS] = runtime
         edge.sibling_secret = runtime.worker.secret
+        if not settings.region.publishing:  # else each worker is a replica in etcd's count
+            edge.tenants.set_replicas(runtime.worker.count, runtime.worker.index)
     scaler = autoscaler.create(
         settings.autoscaler,
         region=settings.region.id,
@@ -232,6 +234,7 @@ def create_app(
             on_replicas=edge.tenants.set_replicas,
             on_actor=None if scaler is None else scaler.set_acting,
             on_plan=None if edge.spill is None else edge.spill.update,
+            worker=None if runtime is None else runtime.worker.index,
         )
         if scaler is not None:
             scaler.acting = False  # until this replica holds the region's autoscaler key

@@ -1536,19 +1536,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_owner(self) -> Settings:
-        """What one process must own is not shared between workers yet: refuse it by name."""
-        if self.workers.count == 1:
-            return self
-        owned = []
-        if self.region.publishing:
-            owned.append("region.etcd (the region's lease, status and desired state)")
-        if self.autoscaler.actuator != "none":
-            owned.append(f"autoscaler.actuator = {self.autoscaler.actuator!r}")
-        if owned:
+        """What one process must own is not shared between workers yet: refuse it by name.
+        (A publishing agent's workers publish as replicas of their own.)"""
+        if self.workers.count != 1 and self.autoscaler.actuator != "none":
             raise ValueError(
-                f"workers.count = {self.workers.count} with {' and '.join(owned)}: a publishing "
-                "or autoscaling agent runs one process for now (workers.count = 1, the default); "
-                "see docs/agent.md, Workers"
+                f"workers.count = {self.workers.count} with autoscaler.actuator = "
+                f"{self.autoscaler.actuator!r}: an autoscaling agent runs one process for now "
+                "(workers.count = 1, the default); see docs/agent.md, Workers"
             )
         return self
 

@@ -226,7 +226,8 @@ class Tenants:
         rank = min(max(0, rank), replicas - 1)
         if (replicas, rank) != (self.replicas, self.rank):
             log.info(
-                "rate-limit shares: %d agent replicas in the region, this one rank %d",
+                "rate-limit shares: the region's limits split over %d agent processes "
+                "(replicas, each of their workers), this one rank %d",
                 replicas,
                 rank,
             )

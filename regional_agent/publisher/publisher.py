@@ -32,6 +32,10 @@ them.  Loops, started from the app's ``cleanup_ctx`` (``regional_agent.app``):
   tables ``routing/<r>/groups/<kind>-<first>``, when the agent routes by them, under this
   publisher's lease.
 
+With ``--workers N`` every worker publishes as a replica of its own, ``<a>-w<i>``: the
+controller combines them as it combines replicas (queue depth, in flight and requests/s
+summed, nodes and capacity the largest), and each takes its share of a tenant's rate limit.
+
 The publisher is given what it reads, not the agent: the node pool (for the serving nodes),
 the queue depth, the instruments (request totals for the load window, etcd state and write
 counters), the callback that hands the desired capacity floor to the autoscaler (none
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -160,6 +165,7 @@ class Publisher:
         on_replicas: Callable[[int, int], None] | None = None,
         on_actor: Callable[[bool, str | None], None] | None = None,
         on_plan: Callable[[FleetPlan], None] | None = None,
+        worker: int | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
@@ -175,6 +181,10 @@ class Publisher:
         self._wall = wall
         self._rng = rng
         self.identity = status.Identity.of(settings, agent_id=default_agent_id())
+        if worker is not None:  # one of several workers: a replica of its own (module docstring)
+            self.identity = dataclasses.replace(
+                self.identity, agent_id=worker_agent_id(self.identity.agent_id, worker)
+            )
         self.region = self.identity.region
         self.agent_id = self.identity.agent_id
         self._timing = status.Timing.of(settings)
@@ -566,6 +576,13 @@ def default_agent_id() -> str:
     """``hostname-pid``, lowercased, with what a key may not hold replaced by dashes."""
     raw = f"{socket.gethostname()}-{os.getpid()}".lower()
     return re.sub(r"[^a-z0-9._-]", "-", raw).lstrip("._-")[-63:] or f"agent-{os.getpid()}"
+
+
+def worker_agent_id(agent_id: str, worker: int) -> str:
+    """Worker ``worker``'s id among several: ``agent_id`` with ``-w<worker>``, shortened to fit
+    the 63 characters a key's id may have."""
+    suffix = f"-w{worker}"
+    return agent_id[: 63 - len(suffix)] + suffix
 
 
 def _alive_agent(key: str) -> str | None:

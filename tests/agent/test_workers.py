@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.reconcile.fleet import combine
 from meridian_service.clock import MonotonicClock
 from policies import routing
 from policies.model import AdminState, NodeId, RequestView
@@ -39,8 +41,10 @@ from regional_agent.settings import NodeSettings, QueueSettings, Settings
 from regional_agent.workers import shared
 from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
+from tests.agent import publishing
 from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
 from tests.conftest import NodeFactory
+from tests.support import EtcdServer
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the h100-llama3-8b profile's
 
@@ -573,14 +577,15 @@ async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not
 
 
 def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
-    with pytest.raises(pydantic.ValidationError, match=r"workers.count = 2 with region.etcd"):
-        Settings(
-            workers={"count": 2},
-            region={"id": "eu-west", "geo": "eu", "etcd": ["http://127.0.0.1:2379"]},
-            nodes=[{"url": "http://127.0.0.1:8000"}],
-        )
+    """An autoscaler acts through one process; a publishing agent's workers are replicas."""
     with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'dry-run'"):
         Settings(workers={"count": 0}, autoscaler={"actuator": "dry-run"})
+    replicas = Settings(
+        workers={"count": 2},
+        region={"id": "eu-west", "geo": "eu", "etcd": ["http://127.0.0.1:2379"]},
+        nodes=[{"url": "http://127.0.0.1:8000"}],
+    )
+    assert replicas.workers.processes() == 2
     assert Settings(workers={"count": 0}).workers.processes() == len(os.sched_getaffinity(0))
 
 
@@ -801,6 +806,72 @@ async def test_two_workers_keep_the_prefix_hits_of_one(
             assert set(served) == {"0", "1"}, served
     assert hits[1] > 0
     assert hits[2] == hits[1], hits
+
+
+async def test_a_publishing_agent_s_workers_are_replicas_of_the_region(
+    etcd: EtcdServer,
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """With ``region.etcd``, each worker publishes as a replica of its own, ``<agent_id>-w<i>``
+    under a lease of its own: the controller combines them as it combines replicas, each takes
+    its share of a tenant's rate limit from etcd's count, and their keys go with the agent."""
+    nodes = sim_processes(2)
+    agent = agent_process(
+        nodes,
+        workers=2,
+        MERIDIAN_AGENT_REGION__ID=publishing.REGION,
+        MERIDIAN_AGENT_REGION__GEO="eu",
+        MERIDIAN_AGENT_REGION__ETCD=json.dumps([etcd.url]),
+        MERIDIAN_AGENT_REGION__AGENT_ID="edge-a",
+        MERIDIAN_AGENT_REGION__LEASE_TTL_S="2",
+        MERIDIAN_AGENT_REGION__MIN_INTERVAL_S="0.2",
+    )
+    ids = ["edge-a-w0", "edge-a-w1"]
+    async with publishing.client(etcd) as c:
+        statuses = []
+        for agent_id in ids:
+            got = await publishing.eventually(
+                lambda agent_id=agent_id: publishing.status(c, agent=agent_id),
+                what=f"{agent_id}'s status",
+            )
+            statuses.append(got[0])
+        leases = {await publishing.alive(c, agent=agent_id) for agent_id in ids}
+        assert None not in leases and len(leases) == 2
+        combined = combine(statuses)
+        assert combined.agent_id == "edge-a-w0,edge-a-w1"
+        assert combined.nodes_total == 2
+        await publishing.eventually(
+            lambda: all(
+                f"split over 2 agent processes (replicas, each of their workers), this one rank {r}"
+                in agent.log.read_text()
+                for r in (0, 1)
+            ),
+            what="each worker's share of the rate limits, from etcd's count",
+        )
+        stop_process(agent.proc, timeout_s=30)
+
+        async def gone() -> bool:
+            return all([await publishing.alive(c, agent=agent_id) is None for agent_id in ids])
+
+        await publishing.eventually(gone, what="both workers' alive keys gone with the agent")
+
+
+async def test_workers_without_etcd_split_a_tenant_s_rate_limit(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """Without etcd's count, N workers take 1/N of a tenant's limit each (the kernel spreads
+    the connections over them), not N times the limit."""
+    agent = agent_process(sim_processes(1), workers=2)
+    await publishing.eventually(
+        lambda: all(
+            f"split over 2 agent processes (replicas, each of their workers), this one rank {r}"
+            in agent.log.read_text()
+            for r in (0, 1)
+        ),
+        what="each worker's share of the rate limits",
+    )
 
 
 async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
