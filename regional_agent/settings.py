@@ -36,7 +36,7 @@ from pydantic_settings import (
 
 import meridian_etcd
 from meridian_etcd import endpoints as etcd_endpoints
-from meridian_service import hygiene, loops, otlp
+from meridian_service import cpus, hygiene, loops, otlp
 from meridian_service import settings as settings_loading
 from meridian_service import tls as tls_module
 from policies import autoscaling, group_routing, routing
@@ -1422,8 +1422,9 @@ class WorkersSettings(_Group):
         le=_MAX_WORKERS,
         description="agent processes serving the port, each with its own SO_REUSEPORT socket and "
         "event loop, routing on their summed in-flight and prefill counts and each other's "
-        "prefix records; 0: one per CPU the process may run on (256 at most); 1: one process, no "
-        "supervisor",
+        "prefix records; 0: one per CPU the process may use (the cores it may run on, at most its "
+        "cgroup's CPU quota, a container's CPU limit, rounded up; 256 at most); 1: one process, "
+        "no supervisor",
     )
     share_interval_s: float = Field(
         0.002,
@@ -1442,11 +1443,11 @@ class WorkersSettings(_Group):
     )
 
     def processes(self) -> int:
-        """How many workers to run: ``count``, or with 0 one per CPU this process may use."""
+        """How many workers to run: ``count``, or with 0 one per CPU this process may use (its
+        affinity's cores, at most its cgroup's CPU quota: ``meridian_service.cpus``)."""
         if self.count:
             return self.count
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        return min(cpus, _MAX_WORKERS)
+        return min(cpus.usable(), _MAX_WORKERS)
 
 
 class SpillSettings(_Group):
