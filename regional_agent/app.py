@@ -238,6 +238,8 @@ def create_app(
         )
         if scaler is not None:
             scaler.acting = False  # until this replica holds the region's autoscaler key
+    elif scaler is not None and runtime is not None:  # no election: the first worker acts
+        scaler.set_acting(runtime.worker.index == 0, None if runtime.worker.index == 0 else "w0")
     if kv is not None:
         app[KV_EVENTS] = kv
         instruments.watch_kv_events(

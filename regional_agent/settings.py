@@ -1538,12 +1538,14 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _one_owner(self) -> Settings:
         """What one process must own is not shared between workers yet: refuse it by name.
-        (A publishing agent's workers publish as replicas of their own.)"""
-        if self.workers.count != 1 and self.autoscaler.actuator != "none":
+        (A publishing agent's workers publish as replicas of their own; a dry run changes
+        nothing, and one worker logs it.)"""
+        if self.workers.count != 1 and self.autoscaler.actuator not in ("none", "dry-run"):
             raise ValueError(
                 f"workers.count = {self.workers.count} with autoscaler.actuator = "
-                f"{self.autoscaler.actuator!r}: an autoscaling agent runs one process for now "
-                "(workers.count = 1, the default); see docs/agent.md, Workers"
+                f"{self.autoscaler.actuator!r}: an autoscaler that acts runs in one process for "
+                "now (workers.count = 1, the default; 'dry-run' runs with workers); see "
+                "docs/agent.md, Workers"
             )
         return self
 

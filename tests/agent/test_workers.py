@@ -578,9 +578,11 @@ async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not
 
 
 def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
-    """An autoscaler acts through one process; a publishing agent's workers are replicas."""
-    with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'dry-run'"):
-        Settings(workers={"count": 0}, autoscaler={"actuator": "dry-run"})
+    """An autoscaler that acts does so through one process; a dry run changes nothing, and a
+    publishing agent's workers are replicas."""
+    with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'command'"):
+        Settings(workers={"count": 0}, autoscaler={"actuator": "command", "command": ["true"]})
+    assert Settings(workers={"count": 2}, autoscaler={"actuator": "dry-run"}).workers.count == 2
     replicas = Settings(
         workers={"count": 2},
         region={"id": "eu-west", "geo": "eu", "etcd": ["http://127.0.0.1:2379"]},
@@ -873,6 +875,26 @@ async def test_workers_without_etcd_split_a_tenant_s_rate_limit(
         ),
         what="each worker's share of the rate limits",
     )
+
+
+async def test_without_etcd_the_first_worker_runs_the_dry_run_autoscaler(
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """No election without etcd: worker 0 acts, its sibling stands by (each answers
+    ``GET /admin/autoscaler`` for the connections the kernel gives it)."""
+    agent = agent_process(
+        sim_processes(1), workers=2, MERIDIAN_AGENT_AUTOSCALER__ACTUATOR="dry-run"
+    )
+    seen: set[tuple[bool, str | None]] = set()
+    for _ in range(64):
+        async with _fresh() as client:  # a new connection: either worker may take it
+            got = await client.get(f"{agent.url}/admin/autoscaler", headers=ADMIN)
+        assert got.status_code == 200, got.text
+        seen.add((got.json()["acting"], got.json()["actor"]))
+        if len(seen) == 2:
+            break
+    assert seen == {(True, None), (False, "w0")}
 
 
 async def test_an_admin_change_on_one_worker_is_made_on_every_worker(

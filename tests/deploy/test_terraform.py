@@ -557,6 +557,7 @@ def test_agent_template_passes_check_config(
     assert printed["nodes"][0]["url"] == "http://vllm-0.vllm-nodes.meridian.svc.cluster.local:8000"
     assert printed["server"] == {**printed["server"], "host": "0.0.0.0", "port": 8080}
     assert printed["queue"]["slots_per_node"] == module.var["slots_per_node"]
+    assert printed["workers"]["count"] == 0  # one per CPU of the pod's limit
     assert printed["admin"]["token_file"] == str(tmp_path / "admin-token")
     # the files are read as at a start: an empty token, a key not the certificate's, refused
     (tmp_path / "admin-token").write_text("")

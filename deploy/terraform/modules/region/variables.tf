@@ -304,7 +304,7 @@ variable "agent_resources" {
     cpu    = string
     memory = string
   })
-  description = "CPU and memory of one agent pod (requests = limits). The prefix index is ~65 MiB at its default size."
+  description = "CPU and memory of one agent pod (requests = limits). The agent runs one worker per CPU of it (workers.count = 0), each with its own prefix index, ~65 MiB at its default size."
   default = {
     cpu    = "2"
     memory = "1Gi"
