@@ -67,7 +67,7 @@ from regional_agent.prompts import load as load_prompts
 from regional_agent.proxy import endpoints, handlers
 from regional_agent.proxy.endpoints import supported
 from regional_agent.publisher import Publisher
-from regional_agent.publisher.publisher import default_agent_id
+from regional_agent.publisher.publisher import default_agent_id, worker_agent_id
 from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff, supervise
 from regional_agent.roster import Roster, make_node
@@ -147,7 +147,7 @@ def create_app(
     instruments = Instruments(
         console_spans=settings.otel.console_spans,
         otel=settings.otel,
-        instance=settings.region.agent_id or default_agent_id(),
+        instance=_instance(settings, worker),
         queue_depths=lambda: {m: dispatcher.depth(m) for m in pool.models()},
         in_flight=lambda: {n.node_id: n.in_flight for n in pool},
         panic=lambda: pool.panic(now=clock.now()).active,
@@ -202,8 +202,9 @@ def create_app(
     if runtime is not None:
         app[WORKERS] = runtime
         edge.sibling_secret = runtime.worker.secret
-        if not settings.region.publishing:  # else each worker is a replica in etcd's count
-            edge.tenants.set_replicas(runtime.worker.count, runtime.worker.index)
+        # each worker takes its share of a tenant's limit; with etcd, its count of the
+        # region's replicas (every worker of each) replaces this once read
+        edge.tenants.set_replicas(runtime.worker.count, runtime.worker.index)
     scaler = autoscaler.create(
         settings.autoscaler,
         region=settings.region.id,
@@ -262,6 +263,15 @@ def create_app(
     admin.add_routes(app, relayed=None if runtime is None else runtime.relayed)
     app.cleanup_ctx.append(_background)
     return app
+
+
+def _instance(settings: Settings, worker: Worker | None) -> str:
+    """``service.instance.id`` of this process's telemetry: the agent's id, each worker's its
+    own (their cumulative counters must not meet in one series)."""
+    agent_id = settings.region.agent_id or default_agent_id()
+    if worker is None or worker.count == 1:
+        return agent_id
+    return worker_agent_id(agent_id, worker.index)
 
 
 def _kv_events(

@@ -579,10 +579,10 @@ def default_agent_id() -> str:
 
 
 def worker_agent_id(agent_id: str, worker: int) -> str:
-    """Worker ``worker``'s id among several: ``agent_id`` with ``-w<worker>``, shortened to fit
-    the 63 characters a key's id may have."""
-    suffix = f"-w{worker}"
-    return agent_id[: 63 - len(suffix)] + suffix
+    """Worker ``worker``'s id among several: ``agent_id`` with ``-w<worker>``, its head cut where
+    it must fit the 63 characters a key's id may have (the tail tells agents apart, as in
+    :func:`default_agent_id`: the host's end and the pid)."""
+    return f"{agent_id}-w{worker}"[-63:].lstrip("._-")
 
 
 def _alive_agent(key: str) -> str | None:

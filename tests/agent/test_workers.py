@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import re
 import selectors
 import signal
 import subprocess
@@ -30,15 +31,16 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.reconcile.fleet import combine
-from meridian_service import cpus
 from meridian_service.clock import MonotonicClock
 from policies import routing
 from policies.model import AdminState, NodeId, RequestView
 from policies.model import Health as HealthState
 from regional_agent import admin, request_ids
 from regional_agent.nodes import Node, NodePool
+from regional_agent.publisher.publisher import worker_agent_id
 from regional_agent.queue import Dispatcher
 from regional_agent.settings import NodeSettings, QueueSettings, Settings
+from regional_agent.tenants import new_key
 from regional_agent.workers import shared
 from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
@@ -589,7 +591,17 @@ def test_settings_refuse_several_workers_where_one_process_must_own_the_region()
         nodes=[{"url": "http://127.0.0.1:8000"}],
     )
     assert replicas.workers.processes() == 2
-    assert Settings(workers={"count": 0}).workers.processes() == min(cpus.usable(), 256)
+
+
+def test_a_worker_s_id_keeps_the_tail_that_tells_agents_apart() -> None:
+    """``<agent_id>-w<i>`` within the 63 characters of a key's id: a long id loses its head,
+    not the host's end and pid that differ between pods."""
+    assert worker_agent_id("edge-a", 3) == "edge-a-w3"
+    a, b = "x" * 55 + "-pod-a-12", "x" * 55 + "-pod-b-12"
+    assert worker_agent_id(a, 0) != worker_agent_id(b, 0)
+    for agent_id in (a, "." + "y" * 62, "z" * 63):
+        got = worker_agent_id(agent_id, 255)
+        assert re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", got) and got.endswith("-w255"), got
 
 
 # -- meridian-agent --workers 2 ----------------------------------------------------------------
@@ -863,18 +875,35 @@ async def test_a_publishing_agent_s_workers_are_replicas_of_the_region(
 async def test_workers_without_etcd_split_a_tenant_s_rate_limit(
     sim_processes: Callable[..., list[SimProcess]],
     agent_process: Callable[..., AgentProcess],
+    tmp_path: Path,
 ) -> None:
-    """Without etcd's count, N workers take 1/N of a tenant's limit each (the kernel spreads
-    the connections over them), not N times the limit."""
-    agent = agent_process(sim_processes(1), workers=2)
-    await publishing.eventually(
-        lambda: all(
-            f"split over 2 agent processes (replicas, each of their workers), this one rank {r}"
-            in agent.log.read_text()
-            for r in (0, 1)
-        ),
-        what="each worker's share of the rate limits",
+    """Without etcd's count, N workers take 1/N of a tenant's limit each, so the agent admits
+    the limit, not N times it: 16 requests over fresh connections (the kernel spreads them over
+    both workers) to a tenant of 4 requests a minute, 4 served (each worker's 2)."""
+    key, digest = new_key()
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(
+        f'[[tenants]]\nname = "team"\nrpm = 4\n[[tenants.keys]]\nsha256 = "{digest}"\n'
     )
+    agent = agent_process(
+        sim_processes(1, profile="h100-llama3-8b", time_scale=50.0),
+        workers=2,
+        MERIDIAN_AGENT_TENANTS__KEYS_FILE=str(keys_file),
+    )
+    await _wait_models(agent.url)
+    served: list[str] = []
+    for n in range(16):
+        async with _fresh() as client:
+            got = await client.post(
+                f"{agent.url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": MODEL, "messages": [{"role": "user", "content": f"q{n}"}],
+                      "max_tokens": 1},
+            )  # fmt: skip
+        assert got.status_code in (200, 429), got.text
+        if got.status_code == 200:
+            served.append(got.headers["x-ratelimit-limit-requests"])
+    assert served == ["2"] * 4
 
 
 async def test_without_etcd_the_first_worker_runs_the_dry_run_autoscaler(
