@@ -144,10 +144,11 @@ def create_app(
         default_slots=settings.queue.slots_per_node,
         models_timeout_s=settings.telemetry.scrape_timeout_s,
     )
+    instance = _instance(settings, worker)  # its telemetry's, and its id in etcd
     instruments = Instruments(
         console_spans=settings.otel.console_spans,
         otel=settings.otel,
-        instance=_instance(settings, worker),
+        instance=instance,
         queue_depths=lambda: {m: dispatcher.depth(m) for m in pool.models()},
         in_flight=lambda: {n.node_id: n.in_flight for n in pool},
         panic=lambda: pool.panic(now=clock.now()).active,
@@ -235,7 +236,7 @@ def create_app(
             on_replicas=edge.tenants.set_replicas,
             on_actor=None if scaler is None else scaler.set_acting,
             on_plan=None if edge.spill is None else edge.spill.update,
-            worker=None if runtime is None else runtime.worker.index,
+            agent_id=instance,
         )
         if scaler is not None:
             scaler.acting = False  # until this replica holds the region's autoscaler key
@@ -266,8 +267,9 @@ def create_app(
 
 
 def _instance(settings: Settings, worker: Worker | None) -> str:
-    """``service.instance.id`` of this process's telemetry: the agent's id, each worker's its
-    own (their cumulative counters must not meet in one series)."""
+    """This process's id: its telemetry's ``service.instance.id`` and its replica id in etcd.
+    The agent's id, each worker's its own, ``<a>-w<i>`` (their cumulative counters must not
+    meet in one series, nor their keys in etcd)."""
     agent_id = settings.region.agent_id or default_agent_id()
     if worker is None or worker.count == 1:
         return agent_id

@@ -165,7 +165,7 @@ class Publisher:
         on_replicas: Callable[[int, int], None] | None = None,
         on_actor: Callable[[bool, str | None], None] | None = None,
         on_plan: Callable[[FleetPlan], None] | None = None,
-        worker: int | None = None,
+        agent_id: str | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
@@ -181,10 +181,8 @@ class Publisher:
         self._wall = wall
         self._rng = rng
         self.identity = status.Identity.of(settings, agent_id=default_agent_id())
-        if worker is not None:  # one of several workers: a replica of its own (module docstring)
-            self.identity = dataclasses.replace(
-                self.identity, agent_id=worker_agent_id(self.identity.agent_id, worker)
-            )
+        if agent_id is not None:  # a worker's, ``<a>-w<i>``: a replica of its own (above)
+            self.identity = dataclasses.replace(self.identity, agent_id=agent_id)
         self.region = self.identity.region
         self.agent_id = self.identity.agent_id
         self._timing = status.Timing.of(settings)
