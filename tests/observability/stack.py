@@ -7,8 +7,8 @@ pointed at an etcd endpoint where nothing listens (a replica cut off from etcd: 
 Regions as in tests/meridianctl/stack.py: eu-west (backup eu-north) and eu-north, geography and
 residency eu; us-east, geography us.  eu-north has two nodes (one is killed to see an
 ejection), the others one.  eu-north also has a second agent, ``eu-north-workers``, with two
-workers (``--workers``; it does not publish, which several workers may not yet): its series
-come once per worker, labelled ``worker``, as every query over agents must take.  The BIND
+workers (``--workers``; it publishes nothing, so the region's status stays the other agent's):
+its series come once per worker, labelled ``worker``, as every query over agents must take.  The BIND
 fixture's view ``geo-a`` serves eu, ``default`` us.
 Windows of 1 s, 2 strikes, a 2 s agent lease: a dead region is failed about 5 s after its
 agent dies.
