@@ -8,8 +8,8 @@ Regions as in tests/meridianctl/stack.py: eu-west (backup eu-north) and eu-north
 residency eu; us-east, geography us.  eu-north has two nodes (one is killed to see an
 ejection), the others one.  eu-north also has a second agent, ``eu-north-workers``, with two
 workers (``--workers``; it publishes nothing, so the region's status stays the other agent's):
-its series come once per worker, labelled ``worker``, as every query over agents must take.  The BIND
-fixture's view ``geo-a`` serves eu, ``default`` us.
+its series come once per worker, labelled ``worker``, as every query over agents must take.
+The BIND fixture's view ``geo-a`` serves eu, ``default`` us.
 Windows of 1 s, 2 strikes, a 2 s agent lease: a dead region is failed about 5 s after its
 agent dies.
 """
