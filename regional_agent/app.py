@@ -214,7 +214,7 @@ def create_app(
         clock=clock,
         drain_timeout_s=settings.health.drain_timeout_s,
         rng=random.Random(rng.random()),
-        dispatcher=dispatcher,
+        demand=dispatcher if runtime is None else runtime,  # with workers, all of theirs
     )
     if scaler is not None:
         app[AUTOSCALER] = scaler

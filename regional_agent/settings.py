@@ -1538,13 +1538,14 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _one_owner(self) -> Settings:
         """What one process must own is not shared between workers yet: refuse it by name.
-        (A publishing agent's workers publish as replicas of their own; a dry run changes
-        nothing, and one worker logs it.)"""
-        if self.workers.count != 1 and self.autoscaler.actuator not in ("none", "dry-run"):
+        (An autoscaler that calls out, ``command``, ``webhook`` or ``kubernetes``, acts in one
+        worker and reads every worker's load; the simulator actuator adds the nodes it starts
+        to its own process's pool.)"""
+        if self.workers.count != 1 and self.autoscaler.actuator == "simulator":
             raise ValueError(
-                f"workers.count = {self.workers.count} with autoscaler.actuator = "
-                f"{self.autoscaler.actuator!r}: an autoscaler that acts runs in one process for "
-                "now (workers.count = 1, the default; 'dry-run' runs with workers); see "
+                f"workers.count = {self.workers.count} with autoscaler.actuator = 'simulator': "
+                "the simulator actuator adds the nodes it starts to one process's pool, so it "
+                "runs with workers.count = 1 (the other actuators run with workers); see "
                 "docs/agent.md, Workers"
             )
         return self

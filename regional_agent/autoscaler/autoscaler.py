@@ -26,7 +26,7 @@ import contextlib
 import logging
 import math
 import random
-from typing import Any
+from typing import Any, Protocol
 
 from meridian_service.clock import Clock
 from policies import autoscaling
@@ -36,7 +36,6 @@ from regional_agent.autoscaler.remote import Kubernetes, Webhook
 from regional_agent.autoscaler.simulator_actuator import SimulatorActuator
 from regional_agent.errors import ActuatorError
 from regional_agent.nodes import NodePool, capacity_by_model
-from regional_agent.queue import Dispatcher
 from regional_agent.retry import Backoff
 from regional_agent.roster import Roster
 from regional_agent.settings import AutoscalerSettings
@@ -44,6 +43,15 @@ from regional_agent.settings import AutoscalerSettings
 log = logging.getLogger(__name__)
 
 _RETRY_MAX_S = 60.0
+
+
+class Demand(Protocol):
+    """The requests the load policy reads: ``demand()`` gives those waiting in the agent's
+    queue now and those that have arrived so far (a running count: its rate is the arrival
+    rate).  The dispatcher's; with several workers, every worker's summed
+    (``WorkerRuntime.demand``)."""
+
+    def demand(self) -> tuple[int, int]: ...
 
 
 class Autoscaler:
@@ -55,10 +63,10 @@ class Autoscaler:
         pool: NodePool,
         clock: Clock,
         rng: random.Random,
-        dispatcher: Dispatcher | None = None,
+        demand: Demand | None = None,
     ) -> None:
         self._pool = pool
-        self._dispatcher = dispatcher
+        self._demand = demand
         self._clock = clock
         self.actuator = actuator
         self._settings = settings
@@ -78,7 +86,7 @@ class Autoscaler:
         self.last_change: tuple[float, autoscaling.Decision] | None = None  # its last up/down
         self.target: float | None = None  # the floor last handed to the actuator
         self.load_target: int | None = None  # the node count its last up or down asked for
-        self._arrivals: tuple[float, int] | None = None  # (when, dispatcher arrivals then)
+        self._arrivals: tuple[float, int] | None = None  # (when, arrivals then)
         # with a publisher, only the replica holding regions/<r>/agents/_autoscaler acts
         self.acting = True
         self.actor: str | None = None  # the replica that does, when another one
@@ -128,10 +136,11 @@ class Autoscaler:
         serving = self._pool.serving(now=now)
         kvs = [v.telemetry.kv_util for v in serving if v.telemetry is not None]
         waiting = sum(v.queue_depth or 0 for v in serving)
-        queue = waiting + (self._dispatcher.depth() if self._dispatcher is not None else 0)
+        queue = waiting
         rate: float | None = None
-        if self._dispatcher is not None:
-            count = self._dispatcher.stats.arrivals
+        if self._demand is not None:
+            queued, count = self._demand.demand()
+            queue += queued
             # a sample spans at least half a tick: a tick woken early (the floor changed) would
             # count a few milliseconds' arrivals, and the forecast's trend divides by the span
             if self._arrivals is None:
@@ -318,9 +327,10 @@ def create(
     clock: Clock,
     drain_timeout_s: float,
     rng: random.Random,
-    dispatcher: Dispatcher | None = None,
+    demand: Demand | None = None,
 ) -> Autoscaler | None:
-    """The autoscaler ``settings`` ask for; ``None`` for ``actuator = "none"``."""
+    """The autoscaler ``settings`` ask for; ``None`` for ``actuator = "none"``.  ``demand``: the
+    requests queued and arrived that its load policy reads."""
     actuator: Actuator
     if settings.actuator == "none":
         return None
@@ -364,5 +374,5 @@ def create(
         pool=pool,
         clock=clock,
         rng=rng,
-        dispatcher=dispatcher,
+        demand=demand,
     )

@@ -136,7 +136,14 @@ class Dispatcher:
         self.pump()
 
     def depth(self, model: str | None = None) -> int:
-        return sum(1 for w in self._waiting.values() if model is None or w.request.model == model)
+        if model is None:
+            return len(self._waiting)
+        return sum(1 for w in self._waiting.values() if w.request.model == model)
+
+    def demand(self) -> tuple[int, int]:
+        """The requests waiting for a slot, and the requests that have asked for one (retries
+        not counted): what the autoscaler's load policy reads (``autoscaler.Demand``)."""
+        return len(self._waiting), self.stats.arrivals
 
     def leases(self, node_id: NodeId) -> Iterable[Lease]:
         return list(self._leases.get(node_id, ()))

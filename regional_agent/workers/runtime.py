@@ -10,6 +10,8 @@
 - an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
   sibling too, over their Unix sockets, before it answers;
 - its ``/metrics`` is every worker's, each sample labelled ``worker``;
+- its queue's depth and arrivals are posted to the table too, and its autoscaler reads every
+  worker's summed (:meth:`WorkerRuntime.demand`): the worker that acts scales for all of them;
 - started again after it died, it asks a sibling for the nodes and policy as they are now
   (``GET /admin/nodes``) and takes the admin changes made since the start
   (``regional_agent.admin.catch_up``).
@@ -141,10 +143,17 @@ class WorkerRuntime:
         self.relay.close()
 
     async def share_loop(self) -> None:
-        """Read the siblings' counts every ``workers.share_interval_s``."""
+        """Read the siblings' counts, and post this worker's demand, every
+        ``workers.share_interval_s``."""
         while True:
             await asyncio.sleep(self._interval_s)
             self._pool.siblings_moved()
+            self.share.post_demand(*self._dispatcher.demand())
+
+    def demand(self) -> tuple[int, int]:
+        """Every worker's waiting requests and arrivals, summed (``autoscaler.Demand``): the
+        autoscaler of the worker that acts reads the load of all of them."""
+        return self.share.demand(*self._dispatcher.demand())
 
     def _record(self, node_id: str, hashes: tuple[int, ...]) -> None:
         """A sibling sent a prompt of ``hashes`` to ``node_id``: this worker's index learns it."""

@@ -9,6 +9,7 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. S]                   node keys: slot s holds the 63-bit key of one node id (0: free)
     [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
     [.. CLAIMS * 3]          claims: block hash key, (node slot + 1) << 16 | worker, µs stamp
+    [.. W * 2]               demand: each worker's queued requests, and its arrivals so far
 
 No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
 which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
@@ -54,7 +55,13 @@ nodes; and a reader whose node chosen held less of the prompt than the sibling's
 miss a claim that starts deeper.  Claims older than ``CLAIM_TTL_S`` are ignored (the relay has
 told everyone by then), and overwritten.
 
-A worker that dies leaves its counts behind; the supervisor zeroes them
+Demand is what the autoscaler's load policy reads (``autoscaler.load``): each worker posts the
+requests waiting in its queue and its arrivals so far (:meth:`LoadShare.post_demand`, every
+``workers.share_interval_s``), and the worker that acts sums them (:meth:`LoadShare.demand`), so
+it reads the load of every worker as one process reads its own.  A worker's arrivals are a
+running count over its lives (a new life goes on from the last's), so their sum never falls.
+
+A worker that dies leaves its counts behind; the supervisor zeroes them and its queued requests
 (:meth:`LoadTable.clear_worker`) before it starts the worker again.
 """
 
@@ -107,7 +114,8 @@ class LoadTable:
         self.keys_at = self.rings_at + workers * RING
         self.cells_at = self.keys_at + slots
         self.claims_at = self.cells_at + slots * workers * _FIELDS
-        size = self.claims_at + CLAIMS * 3
+        self.demand_at = self.claims_at + CLAIMS * 3
+        size = self.demand_at + workers * 2
         self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
         self.cells = memoryview(self._map).cast("q")
         self.cells[0] = _MAGIC
@@ -125,6 +133,7 @@ class LoadTable:
                 cells[at] = cells[at + 1] = cells[at + 2] = 0
                 cells[at + _VERSION] += 1
         cells[1 + worker] += RING + 1  # past its ring: readers compare every slot
+        cells[self.demand_at + worker * 2] = 0  # its queue died with it (arrivals stay)
 
 
 class LoadShare:
@@ -147,6 +156,8 @@ class LoadShare:
         self._unseen = table.workers - 1  # siblings' reservations a read may miss (reserve)
         self._lock = _FileLock(lock_file)
         self.full_warned = False
+        self._demand = table.demand_at + worker * 2
+        self._arrived_before = self._cells[self._demand + 1]  # its earlier lives' (docstring)
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -283,6 +294,26 @@ class LoadShare:
             slots = self._scan()
         by_slot = self._by_slot
         return {by_slot[s] for s in slots if s in by_slot}
+
+    # -- demand --------------------------------------------------------------------------------
+
+    def post_demand(self, queued: int, arrivals: int) -> None:
+        """This worker's queue holds ``queued`` requests, and ``arrivals`` have come to it in
+        this life."""
+        cells, at = self._cells, self._demand
+        cells[at] = queued
+        cells[at + 1] = self._arrived_before + arrivals
+
+    def demand(self, queued: int, arrivals: int) -> tuple[int, int]:
+        """Every worker's queued requests and arrivals summed, this worker's as given (its
+        own, fresher than what it last posted)."""
+        cells, base = self._cells, self._table.demand_at
+        end = base + self._table.workers * 2
+        own = self._demand
+        return (
+            sum(cells[base:end:2]) - cells[own] + queued,
+            sum(cells[base + 1 : end : 2]) - cells[own + 1] + self._arrived_before + arrivals,
+        )
 
     # -- claims --------------------------------------------------------------------------------
 

@@ -98,6 +98,31 @@ def test_a_forked_worker_s_counts_are_summed_and_seen_as_moved(lock_file: Path) 
     assert me.moved() == {"http://a:8000", "http://b:8000"}
 
 
+def test_the_acting_worker_reads_every_worker_s_demand_and_arrivals_never_fall(
+    lock_file: Path,
+) -> None:
+    """The autoscaler's queue and arrivals come from every worker; a worker that died keeps
+    the arrivals of its earlier lives, and its queue goes with it."""
+    table = LoadTable(workers=3, slots=8)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    me.post_demand(1, 10)
+
+    def sibling(worker: int, queued: int, arrivals: int) -> Callable[[], None]:
+        def work() -> None:
+            LoadShare(table, worker=worker, lock_file=lock_file).post_demand(queued, arrivals)
+
+        return work
+
+    _in_child(sibling(1, 4, 100))
+    _in_child(sibling(2, 0, 7))
+    assert me.demand(2, 12) == (2 + 4 + 0, 12 + 100 + 7)  # its own as given: fresher
+
+    table.clear_worker(1)  # the supervisor, after worker 1 died
+    assert me.demand(2, 12) == (2 + 0 + 0, 12 + 100 + 7)
+    _in_child(sibling(1, 3, 5))  # its new life: 5 arrivals so far, after the 100 of its last
+    assert me.demand(2, 12) == (2 + 3 + 0, 12 + 105 + 7)
+
+
 def test_a_node_s_last_slot_goes_to_one_worker_only(lock_file: Path) -> None:
     table = LoadTable(workers=2, slots=16)
     me = LoadShare(table, worker=0, lock_file=lock_file)
@@ -580,11 +605,13 @@ async def test_a_restarted_worker_holds_a_drain_for_a_node_its_discovery_has_not
 
 
 def test_settings_refuse_several_workers_where_one_process_must_own_the_region() -> None:
-    """An autoscaler that acts does so through one process; a dry run changes nothing, and a
-    publishing agent's workers are replicas."""
-    with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'command'"):
-        Settings(workers={"count": 0}, autoscaler={"actuator": "command", "command": ["true"]})
+    """The simulator actuator adds its nodes to one process's pool; the actuators that call
+    out act in one worker, and a publishing agent's workers are replicas."""
+    with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'simulator'"):
+        Settings(workers={"count": 0}, autoscaler={"actuator": "simulator"})
     assert Settings(workers={"count": 2}, autoscaler={"actuator": "dry-run"}).workers.count == 2
+    acting = Settings(workers={"count": 2}, autoscaler={"actuator": "command", "command": ["x"]})
+    assert acting.workers.count == 2
     replicas = Settings(
         workers={"count": 2},
         region={"id": "eu-west", "geo": "eu", "etcd": ["http://127.0.0.1:2379"]},
@@ -924,6 +951,66 @@ async def test_without_etcd_the_first_worker_runs_the_dry_run_autoscaler(
         if len(seen) == 2:
             break
     assert seen == {(True, None), (False, "w0")}
+
+
+async def test_one_worker_runs_the_command_actuator_on_every_worker_s_queue(
+    tmp_path: Path,
+    sim_processes: Callable[..., list[SimProcess]],
+    agent_process: Callable[..., AgentProcess],
+) -> None:
+    """An autoscaler that acts does so in worker 0 alone, and its load policy reads the
+    requests waiting on every worker: one node with one slot holds a request, and the others
+    wait in the queues of both workers."""
+    (node,) = sim_processes(1, profile="h100-llama3-8b", time_scale=1.0)
+    runs = tmp_path / "runs"
+    command = ["sh", "-c", f"echo $PPID {{floor}} >> {runs}"]  # $PPID: the worker's pid
+    agent = agent_process(
+        [node],
+        workers=2,
+        MERIDIAN_AGENT_QUEUE__SLOTS_PER_NODE="1",
+        MERIDIAN_AGENT_AUTOSCALER__ACTUATOR="command",
+        MERIDIAN_AGENT_AUTOSCALER__COMMAND=json.dumps(command),
+        MERIDIAN_AGENT_AUTOSCALER__INTERVAL_S="0.2",
+        MERIDIAN_AGENT_AUTOSCALER__LOAD__POLICY="reactive",
+        MERIDIAN_AGENT_AUTOSCALER__LOAD__SCALE_UP_QUEUE="2",
+        MERIDIAN_AGENT_AUTOSCALER__LOAD__SCALE_DOWN_QUEUE="0",
+        MERIDIAN_AGENT_AUTOSCALER__LOAD__SCALE_UP_QUEUE_FOR_S="0.4",
+    )
+    await _wait_models(agent.url)
+    held: list[asyncio.Task[httpx.Response]] = []
+    client = _fresh()
+    try:
+        waiting: dict[str, float] = {}
+        for i in range(24):  # until both workers hold waiting requests (the kernel spreads them)
+            held.append(asyncio.ensure_future(
+                _chat(client, agent.url, f"wait {i}", max_tokens=2000, ignore_eos=True)
+            ))  # fmt: skip
+            await asyncio.sleep(0.1)
+            waiting = _by_worker((await _metrics(agent.url))["meridian_agent_queue_depth"])
+            if sum(waiting.values()) >= 4 and min(waiting.get(w, 0) for w in ("0", "1")) >= 1:
+                break
+        assert min(waiting.get(w, 0) for w in ("0", "1")) >= 1, waiting
+        total = sum(waiting.values())
+        seen: dict[str, Any] = {}
+        for _ in range(100):
+            async with _fresh() as fresh:  # a new connection: either worker may take it
+                got = (await fresh.get(f"{agent.url}/admin/autoscaler", headers=ADMIN)).json()
+            if got["acting"] and got["signals"] is not None:
+                seen = got
+                if got["signals"]["queue"] == total and got["load_target_nodes"] > 1:
+                    break
+            await asyncio.sleep(0.1)
+        assert seen["signals"]["queue"] == total, (seen, waiting)  # every worker's queue
+        assert seen["decision"] is not None and seen["load_target_nodes"] > 1, seen
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await client.aclose()
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    assert {pid for pid, _ in lines} <= {str(p) for p in agent.workers()}, lines
+    assert len({pid for pid, _ in lines}) == 1, f"more than one worker ran the command: {lines}"
+    assert float(lines[-1][1]) > 1, lines  # the floor the summed queue asked for
 
 
 async def test_an_admin_change_on_one_worker_is_made_on_every_worker(
