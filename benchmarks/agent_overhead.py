@@ -557,6 +557,7 @@ def main() -> int:
             for n in nodes:
                 wait_ready(n)
             agent_argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", args.policy]
+            agent_argv += ["--workers", "1"]  # one process, the one measured
             for n in nodes:
                 agent_argv += ["--node", n.url]
             agent = spawn("agent", [*agent_argv, "--log-level", "WARNING"], logdir)

@@ -118,6 +118,7 @@ def start_proxy(
 ) -> Proxy:
     if name == "meridian":
         argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", "meridian"]
+        argv += ["--workers", "1"]  # one process, pinned below
         for u in node_urls:
             argv += ["--node", u]
         child = ao.spawn("agent", [*argv, "--log-level", "WARNING"], logdir)

@@ -130,7 +130,8 @@ def start_revision(name: str, rev: str, node_urls: Sequence[str], *, logdir: Pat
     for u in node_urls:
         argv += ["--node", u]
     err = (logdir / f"{name}.stderr").open("wb")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # one process, pinned below (an older revision, which ran one by default, ignores it)
+    env = {**os.environ, "PYTHONPATH": str(tree), "MERIDIAN_AGENT_WORKERS__COUNT": "1"}
     proc = subprocess.Popen(
         argv, cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
     )
@@ -153,7 +154,7 @@ def start_router(
         else:
             policy = "meridian" if name == "meridian" else "round_robin"
             argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", policy,
-                    "--log-level", "WARNING"]  # fmt: skip
+                    "--workers", "1", "--log-level", "WARNING"]  # fmt: skip
         for u in node_urls:
             argv += ["--node", u]
         child = ao.spawn(name, argv, logdir)

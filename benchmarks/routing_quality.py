@@ -386,8 +386,7 @@ def start_router(
 ) -> Router:
     if name in ("meridian", EVENTS) or _workers(name):
         argv = ["-m", "regional_agent.cli", "--port", "0", "--policy", policy]
-        if _workers(name):
-            argv += ["--workers", str(_workers(name))]
+        argv += ["--workers", str(_workers(name) or 1)]  # one process unless named meridian-wN
         env = None
         if name == EVENTS:  # every node's KV events, by node settings (no --node flags)
             nodes = []
