@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         metavar="N",
-        help="agent processes serving the port; 0: one per CPU (workers.count; default 1)",
+        help="agent processes serving the port; 0: one per CPU (workers.count; the default)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     checkconfig.add_flags(p, prog="meridian-agent")
@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
     try:
-        count = settings.workers.processes()
+        count = settings.processes()
         if count > 1:
             return _serve_workers(settings, checked, count)
         loops.run(_serve(settings, checked), choice=settings.server.event_loop)

@@ -1417,14 +1417,14 @@ class WorkersSettings(_Group):
     """Serving processes (``regional_agent.workers``, docs/agent.md "Workers")."""
 
     count: int = Field(
-        1,
+        0,
         ge=0,
         le=_MAX_WORKERS,
         description="agent processes serving the port, each with its own SO_REUSEPORT socket and "
         "event loop, routing on their summed in-flight and prefill counts and each other's "
-        "prefix records; 0: one per CPU the process may use (the cores it may run on, at most its "
-        "cgroup's CPU quota, a container's CPU limit, rounded up; 256 at most); 1: one process, "
-        "no supervisor",
+        "prefix records; 0 (the default): one per CPU the process may use (the cores it may run "
+        "on, at most its cgroup's CPU quota, a container's CPU limit, rounded up; 256 at most), "
+        "or one with the simulator actuator; 1: one process, no supervisor",
     )
     share_interval_s: float = Field(
         0.002,
@@ -1541,7 +1541,7 @@ class Settings(BaseSettings):
         (An autoscaler that calls out, ``command``, ``webhook`` or ``kubernetes``, acts in one
         worker and reads every worker's load; the simulator actuator adds the nodes it starts
         to its own process's pool.)"""
-        if self.workers.count != 1 and self.autoscaler.actuator == "simulator":
+        if self.workers.count > 1 and self.autoscaler.actuator == "simulator":
             raise ValueError(
                 f"workers.count = {self.workers.count} with autoscaler.actuator = 'simulator': "
                 "the simulator actuator adds the nodes it starts to one process's pool, so it "
@@ -1549,6 +1549,13 @@ class Settings(BaseSettings):
                 "docs/agent.md, Workers"
             )
         return self
+
+    def processes(self) -> int:
+        """How many workers to run (``workers.count``, its 0 resolved: one per CPU, or one
+        where the simulator actuator needs one process)."""
+        if self.workers.count == 0 and self.autoscaler.actuator == "simulator":
+            return 1
+        return self.workers.processes()
 
     @model_validator(mode="after")
     def _spill_needs_the_plan(self) -> Settings:

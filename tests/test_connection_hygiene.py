@@ -115,7 +115,8 @@ url = "{slow_node.url}"
 """
     )
     port = free_port()
-    argv = [sys.executable, "-m", "regional_agent.cli", "--config", str(config),
+    # one process: the tests count its descriptors and connections
+    argv = [sys.executable, "-m", "regional_agent.cli", "--config", str(config), "--workers", "1",
             "--port", str(port), "--log-level", "INFO"]  # fmt: skip
     process = _start(argv, work / "agent.log", f"http://127.0.0.1:{port}/health")
     yield Proc(process=process, port=port)

@@ -72,7 +72,8 @@ async def test_the_agent_settles_its_collector_once_listening_and_counts_pauses(
     """A real ``meridian-agent`` process: with the default it logs the frozen start-up and the
     young threshold; with 0 it leaves CPython's; either way /metrics has the pause series."""
     port = free_port()
-    argv = [sys.executable, "-m", "regional_agent.cli", "--port", str(port),
+    # one process: one collector settled (each worker settles its own)
+    argv = [sys.executable, "-m", "regional_agent.cli", "--port", str(port), "--workers", "1",
             "--node", "http://127.0.0.1:9", "--log-level", "INFO"]  # fmt: skip
     env = {"MERIDIAN_AGENT_SERVER__GC_YOUNG_THRESHOLD": str(threshold)}
     agent = ServerProcess(argv, log_path=tmp_path / "agent.log", env={**os.environ, **env})

@@ -142,6 +142,7 @@ async def test_one_trace_spans_client_agent_and_node_and_the_agent_exports_its_m
     config.write_text(
         f'[server]\nhost = "127.0.0.1"\nport = {agent_port}\n\n'
         f'[[nodes]]\nurl = "{node_url}"\n\n'
+        "[workers]\ncount = 1\n\n"  # one process: one instance id, agent-otlp-1
         '[region]\nid = "eu-west"\ngeo = "eu"\nagent_id = "agent-otlp-1"\n\n'
         f'[otel]\nendpoint = "{collector}"\nmetrics_interval_s = 0.5\n'
         f'headers = {{ "x-collector-key" = "{header_secret}" }}\n'

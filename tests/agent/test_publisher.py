@@ -125,6 +125,8 @@ def test_alive_key_expires_within_the_ttl_when_the_agent_dies(
             etcd.url,
             "--log-level",
             "WARNING",
+            "--workers",
+            "1",  # one replica, one alive key
         ],
         stdout=subprocess.PIPE,
         text=True,

@@ -151,7 +151,11 @@ async def test_the_agent_serves_https_and_the_openai_client_works(
 ) -> None:
     assert agent.url.startswith("https://")
     assert agent.process is not None
-    assert f"READY https://127.0.0.1:{agent.port}" in agent.process.log_tail()
+    ready = f"READY https://127.0.0.1:{agent.port}"
+    end = time.monotonic() + 30  # with workers the supervisor says it once every one listens
+    while ready not in agent.process.log_tail(100_000):
+        assert time.monotonic() < end, agent.process.log_tail()
+        await asyncio.sleep(0.1)
     assert await _chat(agent.url, tls.ca.client())
     async with httpx.AsyncClient(verify=tls.ca.client(), timeout=30) as http:
         stream = await _openai(agent.url, http).chat.completions.create(

@@ -608,7 +608,9 @@ def test_settings_refuse_several_workers_where_one_process_must_own_the_region()
     """The simulator actuator adds its nodes to one process's pool; the actuators that call
     out act in one worker, and a publishing agent's workers are replicas."""
     with pytest.raises(pydantic.ValidationError, match=r"autoscaler.actuator = 'simulator'"):
-        Settings(workers={"count": 0}, autoscaler={"actuator": "simulator"})
+        Settings(workers={"count": 2}, autoscaler={"actuator": "simulator"})
+    assert Settings(autoscaler={"actuator": "simulator"}).processes() == 1  # one per CPU: one
+    assert Settings().workers.count == 0
     assert Settings(workers={"count": 2}, autoscaler={"actuator": "dry-run"}).workers.count == 2
     acting = Settings(workers={"count": 2}, autoscaler={"actuator": "command", "command": ["x"]})
     assert acting.workers.count == 2

@@ -235,10 +235,12 @@ def fast_agent_toml(
     lease_ttl_s: int = 2,
     window_s: float = 1.0,
     probe_timeout_s: float = 0.5,
+    workers: int = 1,
 ) -> str:
     """An agent's settings for a test fleet, with the short leases, windows, retries, probes
     and scrapes that make a region's failure visible within seconds (the fault matrix, the
-    browser and Prometheus suites); its replica id is ``<region>-a1``."""
+    browser and Prometheus suites); its replica id is ``<region>-a1``: one process unless
+    ``workers`` says more (each worker a replica, ``<region>-a1-w<i>``)."""
     listed = "".join(f'[[nodes]]\nurl = "{url}"\n\n' for url in nodes)
     return f"""{listed}
 [region]
@@ -262,6 +264,9 @@ probe_timeout_s = {probe_timeout_s}
 
 [telemetry]
 scrape_interval_s = 0.2
+
+[workers]
+count = {workers}
 """
 
 

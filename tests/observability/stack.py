@@ -45,7 +45,8 @@ def workers_agent_toml(region: dict[str, Any], nodes: list[NodeProc]) -> str:
     return fast_agent_toml(
         region=region["id"], geo=region["geo"], residency=region["residency"],
         endpoint=f"https://{ADDRESSES[region['id']]}", etcd=[], nodes=[n.url for n in nodes],
-    ) + "\n[workers]\ncount = 2\n"  # fmt: skip
+        workers=2,
+    )  # fmt: skip
 
 
 def agent_toml(region: dict[str, Any], nodes: list[NodeProc], etcd_url: str) -> str:
