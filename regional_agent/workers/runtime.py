@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_service.clock import Clock
@@ -301,7 +301,7 @@ class WorkerRuntime:
                 log.warning("metrics of worker %d left out: %s", w, reply)
             elif reply[0] == 200:
                 texts[w] = reply[1].decode("utf-8")
-        return merge_metrics(texts, workers=self.worker.count)
+        return merge_metrics(texts, workers=self.worker.count, exits=self.worker.table.exits())
 
 
 class AsyncFileLock:
@@ -332,9 +332,13 @@ class AsyncFileLock:
         self._local.release()
 
 
-def merge_metrics(texts: dict[int, str], *, workers: int) -> bytes:
+def merge_metrics(
+    texts: dict[int, str], *, workers: int, exits: list[tuple[int, int]] | None = None
+) -> bytes:
     """One exposition of several workers' (``texts`` by worker index): every sample gains a
-    ``worker`` label, and families of one name are merged."""
+    ``worker`` label, and families of one name are merged.  ``exits``: each worker's deaths
+    (killed by a signal, exited), from the shared table, so a worker down at the scrape is
+    counted too."""
     families: dict[str, Metric] = {}
     for worker, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text):
@@ -352,8 +356,17 @@ def merge_metrics(texts: dict[int, str], *, workers: int) -> bytes:
     scraped.add_sample("meridian_agent_workers_scraped", {}, float(len(texts)))
     configured = Metric("meridian_agent_workers", "workers the agent runs", "gauge")
     configured.add_sample("meridian_agent_workers", {}, float(workers))
+    died = CounterMetricFamily(
+        "meridian_agent_worker_exits",
+        "times a worker died since the agent started (the supervisor starts it again): "
+        "cause signal (killed: the OOM killer's SIGKILL among them) or status (it exited)",
+        labels=["worker", "cause"],
+    )
+    for worker, (signaled, exited) in enumerate(exits or []):
+        died.add_metric([str(worker), "signal"], float(signaled))
+        died.add_metric([str(worker), "status"], float(exited))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed([*families.values(), scraped, configured]))
+    registry.register(_Fixed([*families.values(), scraped, configured, died]))
     return generate_latest(registry)
 
 

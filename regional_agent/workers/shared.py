@@ -10,6 +10,7 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
     [.. CLAIMS * 3]          claims: block hash key, (node slot + 1) << 16 | worker, µs stamp
     [.. W * 2]               demand: each worker's queued requests, and its arrivals so far
+    [.. W * 2]               exits: how often each worker died killed by a signal, and exiting
 
 No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
 which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
@@ -62,7 +63,8 @@ it reads the load of every worker as one process reads its own.  A worker's arri
 running count over its lives (a new life goes on from the last's), so their sum never falls.
 
 A worker that dies leaves its counts behind; the supervisor zeroes them and its queued requests
-(:meth:`LoadTable.clear_worker`) before it starts the worker again.
+(:meth:`LoadTable.clear_worker`) before it starts the worker again, and counts the death
+(:meth:`LoadTable.count_exit`), which every worker's ``/metrics`` shows for all of them.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class LoadTable:
         self.cells_at = self.keys_at + slots
         self.claims_at = self.cells_at + slots * workers * _FIELDS
         self.demand_at = self.claims_at + CLAIMS * 3
-        size = self.demand_at + workers * 2
+        self.exits_at = self.demand_at + workers * 2
+        size = self.exits_at + workers * 2
         self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
         self.cells = memoryview(self._map).cast("q")
         self.cells[0] = _MAGIC
@@ -134,6 +137,16 @@ class LoadTable:
                 cells[at + _VERSION] += 1
         cells[1 + worker] += RING + 1  # past its ring: readers compare every slot
         cells[self.demand_at + worker * 2] = 0  # its queue died with it (arrivals stay)
+
+    def count_exit(self, worker: int, *, signaled: bool) -> None:
+        """``worker`` died: killed by a signal (the OOM killer's SIGKILL among them), or it
+        exited.  Only the supervisor writes these cells."""
+        self.cells[self.exits_at + worker * 2 + (0 if signaled else 1)] += 1
+
+    def exits(self) -> list[tuple[int, int]]:
+        """Each worker's deaths since the agent started: (killed by a signal, exited)."""
+        cells, at = self.cells, self.exits_at
+        return [(cells[at + w * 2], cells[at + w * 2 + 1]) for w in range(self.workers)]
 
 
 class LoadShare:

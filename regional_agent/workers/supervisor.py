@@ -161,7 +161,7 @@ class _Supervisor:
             log.info("meridian-agent workers ready workers=%d port=%d", self.count, self.port)
             print(ready_line.format(port=self.port), flush=True)
         for pid, status in _reap():
-            self.exited(self.children.pop(pid), _how(status))
+            self.exited(self.children.pop(pid), status)
         now = time.monotonic()
         for index, (when, restarts) in list(self.waiting.items()):
             if now >= when:
@@ -174,15 +174,17 @@ class _Supervisor:
         log.info("stopping workers=%d signal=%s", len(self.children), how.name)
         _signal_all(self.children, how)
 
-    def exited(self, child: _Child, how: str) -> None:
+    def exited(self, child: _Child, status: int) -> None:
         if self.stopping:
             return
+        how = _how(status)
         if not self.announced:
             log.error("worker %d %s before it was ready: stopping", child.index, how)
             self.status = 1
             self.stop(signal.SIGTERM)
             return
         self.table.clear_worker(child.index)
+        self.table.count_exit(child.index, signaled=os.WIFSIGNALED(status))
         quick = time.monotonic() - child.started < _STEADY_S
         restarts = child.restarts + 1 if quick else 0
         delay = min(_RESTART_MAX_S, _RESTART_BASE_S * 2 ** max(0, restarts - 1))

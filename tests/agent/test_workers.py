@@ -1130,6 +1130,15 @@ async def test_a_killed_worker_is_started_again_and_its_counts_are_cleared(
     log = agent.log_text()
     assert f"worker {holder} was killed by SIGKILL" in log
     assert log.count("worker listening") == 3, log  # two at the start, one again
+    exits = {
+        (labels["worker"], labels["cause"]): value
+        for labels, value in (await _metrics(agent.url))["meridian_agent_worker_exits_total"]
+    }
+    assert exits == {
+        (str(w), cause): float(w == holder and cause == "signal")
+        for w in (0, 1)
+        for cause in ("signal", "status")
+    }, exits
 
 
 def test_sigterm_stops_every_worker_and_a_killed_supervisor_takes_them_along(

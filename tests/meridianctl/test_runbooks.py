@@ -43,6 +43,7 @@ def test_every_runbook_is_tested_and_every_step_is_a_meridianctl_command() -> No
         "agent-down.md",
         "node-ejections.md",
         "prefix-relay.md",
+        "worker-exits.md",
         "ttft-slo.md",
         "geo-last-region.md",
     }
