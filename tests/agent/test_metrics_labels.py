@@ -216,7 +216,9 @@ async def test_a_killed_node_flips_its_state_and_is_counted_as_ejected(
 
 def test_the_reference_documents_exactly_the_agents_series() -> None:
     """docs/observability.md's agent table against the names regional_agent/observability.py
-    creates (the scrapes above check types and labels of those they see)."""
+    creates, and those the workers' merged /metrics adds (workers/runtime.py); the scrapes
+    above check types and labels of those they see."""
     rows = {base(name) for name in documented("meridian_agent_")}
-    source = ROOT / "regional_agent" / "observability.py"
-    assert rows == instrument_names(source, "meridian_agent_")
+    sources = [ROOT / "regional_agent" / "observability.py"]
+    sources.append(ROOT / "regional_agent" / "workers" / "runtime.py")
+    assert rows == set().union(*(instrument_names(s, "meridian_agent_") for s in sources))
