@@ -32,13 +32,24 @@ workers than the host has cores (up to 16), for what grows with N: each worker t
 N - 1 siblings' records, and N event loops take turns on the core (which separate cores would
 not), so the growth it shows is an upper bound for the sharing's.
 
-    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
-        [--one-core] [--policy meridian] [--repeats 3] [--duration-s 10] [--connections 64]
-        [--groups 8] [--prompt-words 300] [--out-dir DIR]
+``--core-share F`` gives every worker process the same share of a core, on a host without a
+free core for each worker and one for wrk: each worker (with one worker, the agent's one
+process) goes into a cgroup of its own (the cgroup v1 ``cpu`` controller) with a CFS quota of
+``F`` of a core every ``--quota-period-ms``.  With ``F`` below what wrk and the nodes leave of
+core 0, N workers have N times the CPU one worker has, and requests/s against one worker's is
+what the workers' sharing costs, measured by wrk.  N may exceed the cores (up to 16) while N
+times ``F`` leaves a quarter of a core to wrk and the nodes; the workers then take turns on
+the cores, as with ``--one-core`` but less crowded.  The supervisor stays outside the quota (it
+serves no request).  Needs a writable ``/sys/fs/cgroup/cpu`` (root); cgroup v2 hosts are not
+handled.
 
-Writes workers_throughput[_sim][_one_core].json, .md and .png to benchmarks/results/; progress
-on stderr.  Needs ``wrk``, ``taskset`` and, for static nodes, ``nginx`` (Debian: ``apt-get
-install wrk util-linux nginx-light``).
+    python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
+        [--one-core | --core-share F [--quota-period-ms 10]] [--policy meridian] [--repeats 3]
+        [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300] [--out-dir DIR]
+
+Writes workers_throughput[_sim][_one_core|_core_share].json, .md and .png to
+benchmarks/results/; progress on stderr.  Needs ``wrk``, ``taskset`` and, for static nodes,
+``nginx`` (Debian: ``apt-get install wrk util-linux nginx-light``).
 """
 
 from __future__ import annotations
@@ -188,6 +199,66 @@ class Static:
         self._nodes.stop()
 
 
+class CoreShare:
+    """Each worker process in a cgroup of its own with a CFS quota of ``share`` of a core
+    (module docstring, ``--core-share``)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, share: float, period_ms: float) -> None:
+        if not (self.ROOT / "cgroup.procs").exists():
+            raise SystemExit(f"--core-share needs the cgroup v1 cpu controller at {self.ROOT}")
+        self.period_us = round(period_ms * 1000)
+        self.quota_us = round(share * self.period_us)
+        if self.period_us < 1000 or self.quota_us < 1000:
+            raise SystemExit("--core-share: the quota and its period must be 1 ms or more")
+        self._groups: list[Path] = []
+
+    def apply(self, agent_pid: int, workers: int) -> None:
+        """Put the agent's serving processes (the process itself with one worker, else the
+        supervisor's children) each into its own cgroup."""
+        pids = [agent_pid] if workers == 1 else _children(agent_pid)
+        if len(pids) != workers:
+            raise RuntimeError(f"expected {workers} worker processes, found {pids}")
+        for i, pid in enumerate(pids):
+            group = self.ROOT / f"meridian-bench-{os.getpid()}-w{i}"
+            group.mkdir(exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            (group / "cgroup.procs").write_text(str(pid))  # with its threads
+            self._groups.append(group)
+
+    def throttled(self) -> tuple[int, float]:
+        """Periods throttled and seconds throttled, over every group so far."""
+        periods, ns = 0, 0
+        for group in self._groups:
+            stat = dict(
+                line.split() for line in (group / "cpu.stat").read_text().splitlines() if line
+            )
+            periods += int(stat.get("nr_throttled", 0))
+            ns += int(stat.get("throttled_time", 0))
+        return periods, ns / 1e9
+
+    def remove(self) -> None:
+        """Remove the groups (their processes have ended: ``ao.stop_all``)."""
+        for group in self._groups:
+            for _ in range(50):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:  # EBUSY until the last task has left
+                    time.sleep(0.1)
+        self._groups.clear()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+        out += [int(c) for c in text.split()]
+    return sorted(out)
+
+
 def start_agent(
     workers: int, node_urls: Sequence[str], cpus: set[int], logdir: Path, policy: str = "meridian"
 ) -> ao.Child:
@@ -214,7 +285,10 @@ def run_once(
     logdir: Path,
 ) -> dict[str, Any]:
     agent = start_agent(workers, nodes.urls, agent_cpus, logdir, policy=args.policy)
+    share = CoreShare(args.core_share, args.quota_period_ms) if args.core_share else None
     try:
+        if share is not None:
+            share.apply(agent.proc.pid, workers)
         asyncio.run(_wait(agent.url, model))
         os.environ["BENCH_GROUPS"] = str(args.groups)  # the script's; rc.run_wrk passes it on
 
@@ -233,15 +307,19 @@ def run_once(
         cpu0 = po.tree_cpu_s(agent.proc.pid)
         nodes_cpu0 = sum(po.tree_cpu_s(p) for p in nodes.pids())
         wrk_cpu0 = _children_cpu_s()
+        throttled0 = share.throttled() if share is not None else (0, 0.0)
         t0 = time.perf_counter()
         res = wrk(args.duration_s)
         elapsed = time.perf_counter() - t0
         cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
         nodes_cpu = sum(po.tree_cpu_s(p) for p in nodes.pids()) - nodes_cpu0
         wrk_cpu = _children_cpu_s() - wrk_cpu0  # wrk is the only child waited for meanwhile
+        throttled1 = share.throttled() if share is not None else (0, 0.0)
         routing = nodes.routing()
     finally:
         ao.stop_all([agent])
+        if share is not None:
+            share.remove()
     n = res["requests"]
     return {
         "workers": workers,
@@ -258,6 +336,10 @@ def run_once(
         "nodes_cpu_us_per_request": nodes_cpu / n * 1e6 if n else None,
         "routing": routing,
         "latency_p99_ms": res["p99_us"] / 1000,
+        # --core-share: how often the quota stopped a worker, and for how long (summed)
+        "core_share": args.core_share,
+        "throttled_periods": throttled1[0] - throttled0[0],
+        "throttled_s": throttled1[1] - throttled0[1],
     }
 
 
@@ -294,13 +376,14 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "load_cores_busy": med("load_cores_busy"),
                 "routing": med("routing"),
                 "latency_p99_ms": med("latency_p99_ms"),
+                "throttled_s": med("throttled_s"),
                 "errors": sum(r["errors"] for r in rows),
             }
         )
     return out
 
 
-def table(summary: Sequence[dict[str, Any]], measure: str) -> list[str]:
+def table(summary: Sequence[dict[str, Any]], measure: str, *, throttled: bool = False) -> list[str]:
     base = summary[0]["requests_per_s"]["median"] if summary else 1.0
 
     def rng(s: dict[str, float] | None, fmt: str) -> str:
@@ -310,8 +393,9 @@ def table(summary: Sequence[dict[str, Any]], measure: str) -> list[str]:
 
     lines = [
         "| workers | agent cores | requests/s | of one worker's | CPU per request, µs "
-        f"| agent cores busy | wrk + nodes cores busy | {measure} | p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| agent cores busy | wrk + nodes cores busy | {measure} | p99 ms | errors |"
+        + (" quota throttled, s (all workers) |" if throttled else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if throttled else ""),
     ]
     for s in summary:
         cores = ",".join(str(c) for c in s["agent_cpus"])
@@ -324,6 +408,7 @@ def table(summary: Sequence[dict[str, Any]], measure: str) -> list[str]:
             f"| {rng(s['cores_busy'], '.2f')} | {rng(s['load_cores_busy'], '.2f')} "
             f"| {rng(s['routing'], '.3f')} "
             f"| {rng(s['latency_p99_ms'], '.1f')} | {s['errors']} |"
+            + (f" {rng(s['throttled_s'], '.2f')} |" if throttled else "")
         )
     return lines
 
@@ -382,6 +467,13 @@ def _throughput(left: Any, xs: list[int], rps: list[float]) -> None:
     left.set_ylabel("requests/s")
 
 
+def _share_text(args: argparse.Namespace) -> str:
+    return (
+        f"each worker a CFS quota of {args.core_share:g} of a core every "
+        f"{args.quota_period_ms:g} ms; "
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cpus = sorted(os.sched_getaffinity(0))
@@ -393,6 +485,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--one-core", action="store_true", help="every worker on the last core")
+    parser.add_argument(
+        "--core-share",
+        type=float,
+        default=None,
+        help="each worker a CFS quota of this share of a core (0.05 to 1)",
+    )
+    parser.add_argument("--quota-period-ms", type=float, default=10.0)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -400,9 +499,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.duration_s = 1, 5.0
     counts = [int(n) for n in args.workers.split(",")]
+    if args.core_share is not None:
+        if args.one_core:
+            parser.error("--core-share: not with --one-core")
+        if not 0.05 <= args.core_share <= 1.0:
+            parser.error("--core-share: a share of one core, from 0.05 to 1")
     if args.one_core and max(counts) > _ONE_CORE_MAX:
         parser.error(f"--workers: at most {_ONE_CORE_MAX} with --one-core")
-    if not args.one_core and max(counts) > len(cpus):
+    if args.core_share is not None:
+        if max(counts) > _ONE_CORE_MAX:
+            parser.error(f"--workers: at most {_ONE_CORE_MAX} with --core-share")
+        if max(counts) * args.core_share > len(cpus) - 0.25:
+            parser.error(
+                f"--core-share: {max(counts)} workers of {args.core_share:g} of a core leave "
+                f"less than a quarter of a core of the {len(cpus)} here to wrk and the nodes"
+            )
+    elif not args.one_core and max(counts) > len(cpus):
         parser.error(
             f"--workers: at most {len(cpus)} here (the cores this process may use); "
             "--one-core takes more, on one core"
@@ -450,6 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{nodes.measure} "
                         f"{'-' if routing is None else format(routing, '.3f')}, "
                         f"errors {row['errors']}"
+                        + (
+                            f", throttled {row['throttled_periods']} periods "
+                            f"({row['throttled_s']:.2f} s)"
+                            if args.core_share
+                            else ""
+                        )
                     )
         finally:
             nodes.stop()
@@ -460,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.policy}; wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} "
         f"system prompts of {args.prompt_words} words, {args.repeats} interleaved repeats; "
         f"{'every worker on one core; ' if args.one_core else ''}"
+        f"{_share_text(args) if args.core_share else ''}"
         f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
     )
     result = {
@@ -473,8 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "workers_throughput"
     name += "_sim" if args.nodes == "sim" else ""
     name += "_one_core" if args.one_core else ""
+    name += "_core_share" if args.core_share else ""
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
-    lines = table(summary, nodes.measure)
+    lines = table(summary, nodes.measure, throttled=args.core_share is not None)
     md = [f"# meridian-agent --workers N ({subtitle})", "", *lines, ""]
     (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(lines))

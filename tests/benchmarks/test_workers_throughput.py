@@ -1,9 +1,16 @@
 """benchmarks/workers_throughput.py's routing measure for static nodes: the prompt affinity,
-from the request ids each node logged (``g<prompt>-<n>``; the agent's own requests log none)."""
+from the request ids each node logged (``g<prompt>-<n>``; the agent's own requests log none);
+and ``--core-share``'s cgroups, which hold each worker process to its share of a core."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import workers_throughput
@@ -30,3 +37,57 @@ def test_requests_sent_to_either_node_at_random_are_about_one_half() -> None:
 
 def test_no_request_of_the_load_is_no_measure() -> None:
     assert workers_throughput.prompt_affinity([["-", "-"], []]) is None
+
+
+_CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(
+    not os.access(_CPU_CGROUP / "cgroup.procs", os.W_OK),
+    reason="needs a writable cgroup v1 cpu controller (root)",
+)
+def test_core_share_holds_each_worker_process_to_its_quota() -> None:
+    # a parent that forks two children spinning on the CPU, as the supervisor forks workers
+    spin = (
+        "import os, time\n"
+        "for _ in range(2):\n"
+        "    if os.fork() == 0:\n"
+        "        while True: pass\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", spin])
+    share = workers_throughput.CoreShare(0.2, period_ms=10)
+    try:
+        deadline = time.monotonic() + 10
+        while len(children := workers_throughput._children(parent.pid)) < 2:
+            assert time.monotonic() < deadline, "the children did not start"
+            time.sleep(0.05)
+        share.apply(parent.pid, 2)
+        before = [_cpu_s(pid) for pid in children]
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        used = [_cpu_s(pid) - b for pid, b in zip(children, before, strict=True)]
+        elapsed = time.monotonic() - t0
+        # unthrottled, each would take a whole core (or half of one on a 1-core host)
+        assert all(u / elapsed < 0.3 for u in used), used
+        assert share.throttled()[0] > 0
+    finally:
+        for pid in workers_throughput._children(parent.pid):
+            os.kill(pid, signal.SIGKILL)  # orphans once the parent is gone: init reaps them
+        parent.kill()
+        parent.wait()
+        time.sleep(0.2)
+        share.remove()
+    assert not list(_CPU_CGROUP.glob(f"meridian-bench-{os.getpid()}-w*"))
+
+
+def test_core_share_refuses_a_quota_below_a_millisecond() -> None:
+    if not (_CPU_CGROUP / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 cpu controller here")
+    with pytest.raises(SystemExit, match="1 ms or more"):
+        workers_throughput.CoreShare(0.05, period_ms=10)
