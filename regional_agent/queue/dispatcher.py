@@ -124,6 +124,8 @@ class Dispatcher:
         self.on_routed: Callable[[NodeId, tuple[int, ...]], None] | None = None
         # with several workers: where they sent new prompts moments ago (_with_claims)
         self.claims: PrefixClaims | None = None
+        # with several workers: a request now waits for a slot (the share loop's fast pace)
+        self.on_queued: Callable[[], None] | None = None
         self._learns = routing.learns_prefixes(policy)
         pool.subscribe(self.pump)
 
@@ -188,6 +190,8 @@ class Dispatcher:
         self._waiting[item.seq] = _Waiter(
             item=item, request=request, exclude=exclude, future=future, tokens=tokens
         )
+        if self.on_queued is not None:
+            self.on_queued()
         self.pump()
         try:
             async with asyncio.timeout(self._settings.deadline_s):

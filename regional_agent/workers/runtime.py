@@ -54,6 +54,9 @@ SIBLING_SECRET = "X-Meridian-Worker-Secret"  # the supervisor's secret (module d
 MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
 _MUTATING = frozenset({"POST", "PUT", "DELETE"})
 _SIBLING_TIMEOUT_S = 5.0
+IDLE_SHARE_S = 0.1
+"""The share loop's pace while no request waits for a slot (``WorkerRuntime.share_loop``): what
+it posts then is for the autoscaler, which reads it every few seconds."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -143,12 +146,27 @@ class WorkerRuntime:
         self.relay.close()
 
     async def share_loop(self) -> None:
-        """Read the siblings' counts, and post this worker's demand, every
-        ``workers.share_interval_s``."""
-        while True:
-            await asyncio.sleep(self._interval_s)
-            self._pool.siblings_moved()
-            self.share.post_demand(*self._dispatcher.demand())
+        """Read the siblings' counts (which wakes the queue where a sibling freed a slot), and
+        post this worker's demand: every ``workers.share_interval_s`` while requests wait here
+        for a slot; while none waits, every :data:`IDLE_SHARE_S`, or at once when one starts
+        to.  Decisions read the siblings' counts themselves (``NodePool.views``), so the fast
+        pace is only for the waiting requests; at 2 ms it cost each worker 13 ms of CPU a
+        second when idle (docs/benchmarks.md, "Workers")."""
+        queued = asyncio.Event()
+        self._dispatcher.on_queued = queued.set
+        try:
+            while True:
+                if self._dispatcher.depth():
+                    await asyncio.sleep(self._interval_s)
+                else:
+                    queued.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(IDLE_SHARE_S):
+                            await queued.wait()
+                self._pool.siblings_moved()
+                self.share.post_demand(*self._dispatcher.demand())
+        finally:
+            self._dispatcher.on_queued = None
 
     def demand(self) -> tuple[int, int]:
         """Every worker's waiting requests and arrivals, summed (``autoscaler.Demand``): the

@@ -5,6 +5,7 @@ in front of real ``meridian-sim`` processes (docs/agent.md, Workers)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -42,6 +43,7 @@ from regional_agent.queue import Dispatcher
 from regional_agent.settings import NodeSettings, QueueSettings, Settings
 from regional_agent.tenants import new_key
 from regional_agent.workers import shared
+from regional_agent.workers.runtime import IDLE_SHARE_S, Worker, WorkerRuntime
 from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
 from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
 from tests.agent import publishing
@@ -363,6 +365,73 @@ def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(
     assert woken == []  # a decision does not route back into the queue
     assert pool.siblings_moved() == 0  # the decision read the move ...
     assert woken == [1]  # ... and the share loop owes the queue its wake
+
+
+async def test_the_share_loop_keeps_its_fast_pace_for_requests_waiting_for_a_slot(
+    tmp_path: Path,
+) -> None:
+    """At 2 ms always, an idle worker's share loop cost it 13 ms of CPU a second
+    (docs/benchmarks.md, Workers): while nothing waits here it runs every ``IDLE_SHARE_S``, and
+    at ``share_interval_s`` from the moment a request waits for a slot, which a sibling frees."""
+    table = LoadTable(workers=2, slots=16)
+    node = NodeId("http://a:8000")
+
+    def runtime(index: int) -> WorkerRuntime:
+        pool = NodePool()
+        pool.add(Node(node_id=node, url=node, slots=1, models=frozenset({MODEL})))
+        dispatcher = Dispatcher(
+            pool=pool,
+            policy=routing.create("meridian", routing.RoutingConfig()),
+            settings=QueueSettings(),
+            clock=MonotonicClock(),
+            rng=random.Random(index),
+        )
+        worker = Worker(index=index, count=2, directory=tmp_path, table=table, secret="s")
+        return WorkerRuntime(
+            worker,
+            pool=pool,
+            dispatcher=dispatcher,
+            clock=MonotonicClock(),
+            render_metrics=lambda: b"",
+            share_interval_s=0.002,
+        )
+
+    first, second = runtime(0), runtime(1)
+    posted: list[int] = []  # the queue depth the second worker posted, once per loop turn
+    post = second.share.post_demand
+
+    def counted(queued: int, arrivals: int) -> None:
+        posted.append(queued)
+        post(queued, arrivals)
+
+    second.share.post_demand = counted  # type: ignore[method-assign]
+    request = RequestView(model=MODEL, prompt_tokens=10, max_tokens=10)
+    loop = asyncio.create_task(second.share_loop())
+    try:
+        await asyncio.sleep(0.5)
+        assert len(posted) <= 0.5 / IDLE_SHARE_S + 1  # idle: 250 turns at the 2 ms pace
+        held = await first._dispatcher.acquire(request, tokens=20)  # the node's one slot
+        waiting = asyncio.create_task(second._dispatcher.acquire(request, tokens=20))
+        await asyncio.sleep(0.01)
+        before = len(posted)
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        assert len(posted) - before >= 10  # the fast pace: about 100 turns
+        assert posted[-1] == 1  # the waiting request, for the autoscaler
+        held.release()  # on the first worker: only the second's share loop can see it
+        lease = await asyncio.wait_for(waiting, 1.0)
+        assert lease.node_id == node
+        lease.release()
+        await asyncio.sleep(0.05)
+        before = len(posted)
+        await asyncio.sleep(0.3)
+        assert len(posted) - before <= 0.3 / IDLE_SHARE_S + 1
+        assert posted[-1] == 0
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+    assert second._dispatcher.on_queued is None
 
 
 def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
