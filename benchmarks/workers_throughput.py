@@ -25,6 +25,9 @@ Per run: requests/s (wrk), the agent's CPU per request (its process tree,
 has 2 s of warm-up first (not counted); repeats are interleaved, each going once through every
 N in an order rotated per repeat; the table gives medians (and the range).
 
+``--idle`` sends no traffic: the agent's CPU a second (every process) with N workers doing
+nothing but their timers, written to workers_idle.json, .md and .png.
+
 ``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
 CPU per request against one worker's is what the sharing costs (the prefix records each worker
 inserts for its siblings, the reads of their counts, a second event loop).  It takes more
@@ -44,8 +47,9 @@ serves no request).  Needs a writable ``/sys/fs/cgroup/cpu`` (root); cgroup v2 h
 handled.
 
     python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
-        [--one-core | --core-share F [--quota-period-ms 10]] [--policy meridian] [--repeats 3]
-        [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300] [--out-dir DIR]
+        [--one-core | --core-share F [--quota-period-ms 10] | --idle] [--policy meridian]
+        [--repeats 3] [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300]
+        [--out-dir DIR]
 
 Writes workers_throughput[_sim][_one_core|_core_share].json, .md and .png to
 benchmarks/results/; progress on stderr.  Needs ``wrk``, ``taskset`` and, for static nodes,
@@ -467,6 +471,89 @@ def _throughput(left: Any, xs: list[int], rps: list[float]) -> None:
     left.set_ylabel("requests/s")
 
 
+def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int]) -> int:
+    """``--idle``: each N's agent with no traffic at all, its CPU (every process) over
+    ``--duration-s`` after 2 s settled; repeats interleaved as for the throughput."""
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="workers-idle-") as tmp:
+        logdir = Path(tmp)
+        nodes = Static(logdir, rc.LOAD_CPU)
+        try:
+            model = asyncio.run(rc._serving([], nodes.urls[0]))
+            for rep in range(args.repeats):
+                order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
+                for workers in order:
+                    agent = start_agent(workers, nodes.urls, set(cpus), logdir, policy=args.policy)
+                    try:
+                        asyncio.run(_wait(agent.url, model))
+                        time.sleep(2.0)
+                        cpu0, t0 = po.tree_cpu_s(agent.proc.pid), time.perf_counter()
+                        time.sleep(args.duration_s)
+                        cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
+                        elapsed = time.perf_counter() - t0
+                    finally:
+                        ao.stop_all([agent])
+                    row = {"workers": workers, "repeat": rep, "cpu_ms_per_s": cpu / elapsed * 1e3}
+                    runs.append(row)
+                    log(
+                        f"repeat {rep + 1}/{args.repeats} workers {workers}: idle, "
+                        f"{row['cpu_ms_per_s']:.1f} ms of CPU a second"
+                    )
+        finally:
+            nodes.stop()
+    summary = []
+    for workers in counts:
+        values = [r["cpu_ms_per_s"] for r in runs if r["workers"] == workers]
+        summary.append(
+            {
+                "workers": workers,
+                "cpu_ms_per_s": {
+                    "median": statistics.median(values),
+                    "min": min(values),
+                    "max": max(values),
+                },
+            }
+        )
+    mach = ao.machine()
+    subtitle = (
+        f"no traffic, two static (nginx) nodes, policy {args.policy}; CPU of every agent process "
+        f"over {args.duration_s:g} s, {args.repeats} interleaved repeats; "
+        f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
+    )
+    lines = [
+        "| workers | agent CPU, ms a second (all processes) | per worker |",
+        "|---|---|---|",
+    ]
+    for row in summary:
+        c = row["cpu_ms_per_s"]
+        lines.append(
+            f"| {row['workers']} | {c['median']:.1f} ({c['min']:.1f} to {c['max']:.1f}) "
+            f"| {c['median'] / row['workers']:.1f} |"
+        )
+    result = {
+        "benchmark": "workers_throughput --idle",
+        "args": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "machine": mach,
+        "runs": runs,
+        "summary": summary,
+    }
+    (args.out_dir / "workers_idle.json").write_text(json.dumps(result, indent=2))
+    (args.out_dir / "workers_idle.md").write_text(
+        "\n".join([f"# meridian-agent --workers N, idle ({subtitle})", "", *lines, ""])
+    )
+    print("\n".join(lines))
+    plt = rc._pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([str(r["workers"]) for r in summary], [r["cpu_ms_per_s"]["median"] for r in summary])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("agent CPU, ms a second (median)")
+    fig.suptitle("meridian-agent --workers N, idle\n" + "\n".join(textwrap.wrap(subtitle, 80)),
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(args.out_dir / "workers_idle.png", dpi=120)
+    return 0
+
+
 def _share_text(args: argparse.Namespace) -> str:
     return (
         f"each worker a CFS quota of {args.core_share:g} of a core every "
@@ -492,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="each worker a CFS quota of this share of a core (0.05 to 1)",
     )
     parser.add_argument("--quota-period-ms", type=float, default=10.0)
+    parser.add_argument("--idle", action="store_true", help="CPU with no traffic, by N")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -504,8 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--core-share: not with --one-core")
         if not 0.05 <= args.core_share <= 1.0:
             parser.error("--core-share: a share of one core, from 0.05 to 1")
-    if args.one_core and max(counts) > _ONE_CORE_MAX:
-        parser.error(f"--workers: at most {_ONE_CORE_MAX} with --one-core")
+    if (args.one_core or args.idle) and max(counts) > _ONE_CORE_MAX:
+        parser.error(f"--workers: at most {_ONE_CORE_MAX} with --one-core or --idle")
     if args.core_share is not None:
         if max(counts) > _ONE_CORE_MAX:
             parser.error(f"--workers: at most {_ONE_CORE_MAX} with --core-share")
@@ -514,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--core-share: {max(counts)} workers of {args.core_share:g} of a core leave "
                 f"less than a quarter of a core of the {len(cpus)} here to wrk and the nodes"
             )
-    elif not args.one_core and max(counts) > len(cpus):
+    elif not (args.one_core or args.idle) and max(counts) > len(cpus):
         parser.error(
             f"--workers: at most {len(cpus)} here (the cores this process may use); "
             "--one-core takes more, on one core"
@@ -523,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: apt-get install wrk util-linux")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.idle:
+        return idle_cpu(args, counts, cpus)
     load_cpu = rc.LOAD_CPU  # where rc.run_wrk pins wrk; the nodes go there too
     if load_cpu not in cpus:
         raise SystemExit(f"needs core {load_cpu} for wrk and the nodes")
