@@ -1430,9 +1430,11 @@ class WorkersSettings(_Group):
         0.002,
         gt=0,
         le=1,
-        description="how often a worker reads its siblings' in-flight and prefill counts (the "
-        "most they are behind in its decisions), wakes its queue when a sibling freed a slot, "
-        "and sends them the prompts it routed (the most their prefix indexes are behind)",
+        description="while requests wait in a worker's queue, how often it reads its siblings' "
+        "in-flight and prefill counts and wakes the queue when a sibling freed a slot (every "
+        "0.1 s while none waits; its decisions read the counts themselves); and how long it "
+        "batches the prompts it routed before sending them to its siblings (the most their "
+        "prefix indexes are behind)",
     )
     table_slots: int = Field(
         1024,
