@@ -263,6 +263,17 @@ def test_claims_of_one_node_by_two_siblings_cover_the_prompt_and_a_torn_entry_is
     assert me.claimed(first, 0) is None
 
 
+def _dispatcher(pool: NodePool, seed: int, **config: Any) -> Dispatcher:
+    """A ``meridian`` dispatcher over ``pool``, seeded."""
+    return Dispatcher(
+        pool=pool,
+        policy=routing.create("meridian", routing.RoutingConfig(**config)),
+        settings=QueueSettings(),
+        clock=MonotonicClock(),
+        rng=random.Random(seed),
+    )
+
+
 async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(
     lock_file: Path, claims_last: None
 ) -> None:
@@ -277,13 +288,7 @@ async def test_a_new_prompt_goes_where_a_sibling_sent_it_moments_before(
         pool.shared = LoadShare(table, worker=index, lock_file=lock_file)
         for node in nodes:
             pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
-        dispatcher = Dispatcher(
-            pool=pool,
-            policy=routing.create("meridian", routing.RoutingConfig()),
-            settings=QueueSettings(),
-            clock=MonotonicClock(),
-            rng=random.Random(index),
-        )
+        dispatcher = _dispatcher(pool, index)
         dispatcher.claims = pool.shared
         return dispatcher
 
@@ -325,13 +330,7 @@ async def test_a_probation_trial_is_not_moved_by_a_sibling_s_claim(
     pool.shared = LoadShare(table, worker=0, lock_file=lock_file)
     for node in (healthy, trying):
         pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
-    dispatcher = Dispatcher(
-        pool=pool,
-        policy=routing.create("meridian", routing.RoutingConfig(probation_every=2)),
-        settings=QueueSettings(),
-        clock=MonotonicClock(),
-        rng=random.Random(0),
-    )
+    dispatcher = _dispatcher(pool, 0, probation_every=2)
     dispatcher.claims = pool.shared
     hashes = tuple(range(1, 33))
     LoadShare(table, worker=1, lock_file=lock_file).claim(healthy, hashes, 0)  # the sibling
@@ -379,13 +378,7 @@ async def test_the_share_loop_keeps_its_fast_pace_for_requests_waiting_for_a_slo
     def runtime(index: int) -> WorkerRuntime:
         pool = NodePool()
         pool.add(Node(node_id=node, url=node, slots=1, models=frozenset({MODEL})))
-        dispatcher = Dispatcher(
-            pool=pool,
-            policy=routing.create("meridian", routing.RoutingConfig()),
-            settings=QueueSettings(),
-            clock=MonotonicClock(),
-            rng=random.Random(index),
-        )
+        dispatcher = _dispatcher(pool, index)
         worker = Worker(index=index, count=2, directory=tmp_path, table=table, secret="s")
         return WorkerRuntime(
             worker,
