@@ -194,6 +194,7 @@ def create_app(
             share_interval_s=settings.workers.share_interval_s,
         )
         instruments.watch_prefix_relay(runtime.relay.counts)
+        scraper.share = runtime.share  # one worker scrapes each node for all of them
     request_ids.install_log_ids()
     app = web.Application(
         middlewares=[request_ids.middleware, _errors],

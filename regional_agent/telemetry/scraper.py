@@ -15,6 +15,12 @@ a node that stops answering is not a node with an empty queue.
 A failed scrape (unreachable, an error status, a page that is not vLLM's) is counted and its
 error kept for the admin listing; it never stops the loop.  State changes are logged: a node's
 telemetry going stale or unavailable, and coming back.
+
+With several workers (``share``, the workers' shared table), a node is scraped by one of them,
+not by each: every scrape a worker makes is published, and a worker scrapes a node it does not
+own only while the owner has published no sample for two intervals and a timeout (it died, or
+hangs), so each node renders its page about once an interval whatever the workers.  A
+worker reads the fresher of its own sample and the published one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import asyncio
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from meridian_service.clock import Clock
 from policies.model import NodeId, Telemetry
@@ -60,11 +68,13 @@ class _NodeState:
         "sample",
         "scrapes_total",
         "taken_s",
+        "values",
     )
 
     def __init__(self) -> None:
         self.sample: Scrape | None = None  # the last good one
         self.taken_s = 0.0  # clock time its response arrived
+        self.values: tuple[float | None, ...] = ()  # it and its rates, as PUBLISHED lists them
         self.rates = _NO_RATES
         self.consecutive_failures = 0
         self.failures_total = 0
@@ -75,6 +85,38 @@ class _NodeState:
 
     def is_fresh(self, *, now: float, stale_after_s: float) -> bool:
         return self.sample is not None and now - self.taken_s <= stale_after_s
+
+
+class SharedSamples(Protocol):
+    """The workers' published samples (``workers.shared.LoadShare``): numbers, None where
+    not known; what they are is :data:`PUBLISHED`."""
+
+    def owns(self, node_id: str) -> bool: ...
+
+    def owner_published(self, node_id: str) -> float | None: ...
+
+    def publish(self, node_id: str, taken_s: float, values: Sequence[float | None]) -> None: ...
+
+    def latest(self, node_id: str) -> tuple[float, int, tuple[float | None, ...]] | None: ...
+
+
+PUBLISHED = (
+    "running",
+    "waiting",
+    "kv_util",
+    "prefix_hit_rate",
+    "preemptions_per_s",
+    "ttft_mean_s",
+    "rate_interval_s",
+    "prefix_queries_total",
+    "prefix_hits_total",
+    "preemptions_total",
+    "block_size",
+    "num_gpu_blocks",
+)
+"""What a published sample carries: the admin listing's numbers of one scrape, in this order."""
+# (when the sample was taken, the worker that took it (None: this one), its PUBLISHED values)
+_Latest = tuple[float, int | None, tuple[float | None, ...]]
 
 
 class Scraper:
@@ -90,6 +132,7 @@ class Scraper:
         self._states: dict[NodeId, _NodeState] = {}
         self._in_flight: dict[NodeId, asyncio.Task[None]] = {}
         self._bug: BaseException | None = None  # raised by a scrape other than a node's fault
+        self.share: SharedSamples | None = None  # with several workers (module docstring)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -130,6 +173,8 @@ class Scraper:
         for node in self._pool:
             if node.node_id in self._in_flight:
                 continue  # still waiting on a slow node: leave it be
+            if self.share is not None and self._sibling_scrapes(node.node_id):
+                continue
             state = self._states.setdefault(node.node_id, _NodeState())
             task = asyncio.create_task(
                 self._scrape(node, state), name=f"telemetry-scrape-{node.node_id}"
@@ -138,6 +183,16 @@ class Scraper:
             task.add_done_callback(functools.partial(self._done, node.node_id))
             started.append(task)
         return started
+
+    def _sibling_scrapes(self, node_id: NodeId) -> bool:
+        """Another worker owns ``node_id`` and published a sample of it lately."""
+        assert self.share is not None
+        if self.share.owns(node_id):
+            return False
+        published_s = self.share.owner_published(node_id)
+        settings = self._settings
+        recent_s = 2 * settings.scrape_interval_s + settings.scrape_timeout_s
+        return published_s is not None and self._clock.now() - published_s <= recent_s
 
     def _done(self, node_id: NodeId, task: asyncio.Task[None]) -> None:
         if self._in_flight.get(node_id) is task:
@@ -162,7 +217,10 @@ class Scraper:
         if state.sample is not None:
             state.rates = _rates(state.sample, sample, interval_s=now - state.taken_s)
         state.sample, state.taken_s = sample, now
+        state.values = _values(state)
         state.consecutive_failures = 0
+        if self.share is not None:
+            self.share.publish(node.node_id, now, state.values)
 
     def _end_round(self) -> None:
         if self._bug is not None:
@@ -202,37 +260,51 @@ class Scraper:
 
     def snapshot(self, node_id: NodeId, *, now: float) -> Telemetry | None:
         """The node's latest telemetry, or ``None`` when never scraped or stale."""
-        state = self._states.get(node_id)
-        if state is None or state.sample is None:
+        latest = self._latest(node_id)
+        if latest is None or now - latest[0] > self._settings.stale_after_s:
             return None
-        if not state.is_fresh(now=now, stale_after_s=self._settings.stale_after_s):
-            return None
-        sample = state.sample
+        taken_s, _, values = latest
+        running, waiting, kv_util, hit_rate = values[:4]
+        block_size = values[PUBLISHED.index("block_size")]
         return Telemetry(
-            age_s=max(0.0, now - state.taken_s),
-            running=round(sample.running),
-            waiting=round(sample.waiting),
-            kv_util=min(1.0, max(0.0, sample.kv_util)),
-            prefix_hit_rate=state.rates.prefix_hit_rate,
-            block_size=sample.block_size,
+            age_s=max(0.0, now - taken_s),
+            running=round(running or 0.0),
+            waiting=round(waiting or 0.0),
+            kv_util=min(1.0, max(0.0, kv_util or 0.0)),
+            prefix_hit_rate=hit_rate,
+            block_size=None if block_size is None else round(block_size),
         )
 
     def fresh_until(self, node_id: NodeId) -> float:
         """Until when :meth:`snapshot` keeps its sample (then it goes stale), barring a new
         scrape; forever for a node never scraped (a scrape round notifies the pool)."""
-        state = self._states.get(node_id)
-        if state is None or state.sample is None:
+        latest = self._latest(node_id)
+        if latest is None:
             return math.inf
-        return state.taken_s + self._settings.stale_after_s
+        return latest[0] + self._settings.stale_after_s
+
+    def _latest(self, node_id: NodeId) -> _Latest | None:
+        """The fresher of this worker's own sample and the one the workers published."""
+        state = self._states.get(node_id)
+        own: _Latest | None = None
+        if state is not None and state.sample is not None:
+            own = (state.taken_s, None, state.values)
+        published = self.share.latest(node_id) if self.share is not None else None
+        if published is None or (own is not None and own[0] >= published[0]):
+            return own
+        return published
 
     def describe(self, node_id: NodeId, *, now: float | None = None) -> dict[str, object]:
-        """The node's telemetry for the admin listing, JSON-ready."""
+        """The node's telemetry for the admin listing, JSON-ready: its latest sample, this
+        worker's own or (``scraped_by``) a sibling's, and this worker's own scrapes."""
         now = self._clock.now() if now is None else now
         state = self._states.get(node_id) or _NodeState()
-        sample, rates = state.sample, state.rates
+        latest = self._latest(node_id)
+        taken_s, worker, values = latest if latest is not None else (None, None, None)
         return {
-            "stale": not state.is_fresh(now=now, stale_after_s=self._settings.stale_after_s),
-            "age_s": None if sample is None else round(now - state.taken_s, 3),
+            "stale": taken_s is None or now - taken_s > self._settings.stale_after_s,
+            "age_s": None if taken_s is None else round(now - taken_s, 3),
+            "scraped_by": None if worker is None else f"w{worker}",
             "scrapes_total": state.scrapes_total,
             "failures_total": state.failures_total,
             "consecutive_failures": state.consecutive_failures,
@@ -240,18 +312,10 @@ class Scraper:
             "last_error_age_s": (
                 None if state.last_error_s is None else round(now - state.last_error_s, 3)
             ),
-            "running": None if sample is None else sample.running,
-            "waiting": None if sample is None else sample.waiting,
-            "kv_util": None if sample is None else sample.kv_util,
-            "prefix_hit_rate": rates.prefix_hit_rate,
-            "preemptions_per_s": rates.preemptions_per_s,
-            "ttft_mean_s": rates.ttft_mean_s,
-            "rate_interval_s": rates.interval_s or None,
-            "prefix_queries_total": None if sample is None else sample.prefix_queries,
-            "prefix_hits_total": None if sample is None else sample.prefix_hits,
-            "preemptions_total": None if sample is None else sample.preemptions,
-            "block_size": None if sample is None else sample.block_size,
-            "num_gpu_blocks": None if sample is None else sample.num_gpu_blocks,
+            **{
+                name: (None if values is None else _as_listed(name, values[i]))
+                for i, name in enumerate(PUBLISHED)
+            },
         }
 
     def forget(self, node_id: NodeId) -> None:
@@ -260,6 +324,33 @@ class Scraper:
         task = self._in_flight.pop(node_id, None)
         if task is not None:
             task.cancel()
+
+
+def _values(state: _NodeState) -> tuple[float | None, ...]:
+    """``state``'s sample (it has one) and rates as :data:`PUBLISHED` lists them."""
+    sample, rates = state.sample, state.rates
+    assert sample is not None
+    return (
+        sample.running,
+        sample.waiting,
+        sample.kv_util,
+        rates.prefix_hit_rate,
+        rates.preemptions_per_s,
+        rates.ttft_mean_s,
+        rates.interval_s or None,
+        sample.prefix_queries,
+        sample.prefix_hits,
+        sample.preemptions,
+        sample.block_size,
+        sample.num_gpu_blocks,
+    )
+
+
+def _as_listed(name: str, value: float | None) -> float | int | None:
+    """A published value as the admin listing shows it: the block counts as integers."""
+    if value is not None and name in ("block_size", "num_gpu_blocks"):
+        return round(value)
+    return value
 
 
 def _rates(before: Scrape, after: Scrape, *, interval_s: float) -> _Rates:

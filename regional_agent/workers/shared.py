@@ -11,6 +11,7 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. CLAIMS * 3]          claims: block hash key, (node slot + 1) << 16 | worker, µs stamp
     [.. W * 2]               demand: each worker's queued requests, and its arrivals so far
     [.. W * 2]               exits: how often each worker died killed by a signal, and exiting
+    [.. S * SAMPLE_FIELDS]   samples: slot s -> the node's last telemetry, whoever scraped it
 
 No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
 which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
@@ -62,6 +63,14 @@ requests waiting in its queue and its arrivals so far (:meth:`LoadShare.post_dem
 it reads the load of every worker as one process reads its own.  A worker's arrivals are a
 running count over its lives (a new life goes on from the last's), so their sum never falls.
 
+Samples spare the nodes a scrape per worker (``telemetry.scraper``): the worker that owns a
+node (its slot modulo the workers) scrapes its ``/metrics`` and publishes what it derived
+(:meth:`LoadShare.publish`: up to ``SAMPLE_VALUES`` numbers); the others read it
+(:meth:`LoadShare.latest`) and scrape the node themselves only while its owner has published
+nothing lately (:meth:`LoadShare.owner_published`): it died, or hangs.  A sample is written as a
+seqlock: a sequence made odd first, the fields, the sequence made even last; a reader takes the
+fields only between two equal even reads of it, so a sample read while written is skipped.
+
 A worker that dies leaves its counts behind; the supervisor zeroes them and its queued requests
 (:meth:`LoadTable.clear_worker`) before it starts the worker again, and counts the death
 (:meth:`LoadTable.count_exit`), which every worker's ``/metrics`` shows for all of them.
@@ -72,6 +81,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import mmap
 import os
 import time
@@ -89,6 +99,10 @@ CLAIMS = 16384  # claim entries (module docstring): 384 KiB
 CLAIM_AT = (3, 7, 15, 31)  # the blocks claimed: a prompt's 4th, 8th, 16th, 32nd (of 16 tokens)
 CLAIM_TTL_S = 0.25  # a claim older than this is ignored (the relay says it in milliseconds)
 _CLAIM_PROBES = 8  # entries tried for a key, from its home entry on
+SAMPLE_VALUES = 12  # what a published sample may carry (the scraper says what they are)
+# a sample: sequence, scraped at (µs of the monotonic clock), the worker that scraped it, when
+# the node's owner last published one (µs), and its values as doubles (NaN: none)
+SAMPLE_FIELDS = 4 + SAMPLE_VALUES
 _KEY_MASK = (1 << 63) - 1
 # a claim's value: the key's low 22 bits (a torn entry's value names another key), node slot
 # + 1 (24 bits: workers.table_slots is at most 65,536), worker (16 bits)
@@ -118,9 +132,11 @@ class LoadTable:
         self.claims_at = self.cells_at + slots * workers * _FIELDS
         self.demand_at = self.claims_at + CLAIMS * 3
         self.exits_at = self.demand_at + workers * 2
-        size = self.exits_at + workers * 2
+        self.samples_at = self.exits_at + workers * 2
+        size = self.samples_at + slots * SAMPLE_FIELDS
         self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
         self.cells = memoryview(self._map).cast("q")
+        self.floats = memoryview(self._map).cast("d")  # the same cells, as doubles
         self.cells[0] = _MAGIC
 
     def cell(self, slot: int, worker: int) -> int:
@@ -307,6 +323,62 @@ class LoadShare:
             slots = self._scan()
         by_slot = self._by_slot
         return {by_slot[s] for s in slots if s in by_slot}
+
+    # -- telemetry samples ---------------------------------------------------------------------
+
+    def owns(self, node_id: str) -> bool:
+        """Whether this worker scrapes ``node_id`` for every worker (module docstring); a node
+        without a slot, each scrapes for itself."""
+        slot = self.slot(node_id)
+        return slot is None or slot % self._table.workers == self._worker
+
+    def publish(self, node_id: str, taken_s: float, values: Sequence[float | None]) -> None:
+        """This worker scraped ``node_id`` at ``taken_s`` (the monotonic clock) and derived
+        ``values`` (at most ``SAMPLE_VALUES``; None: not known)."""
+        if len(values) > SAMPLE_VALUES:
+            raise ValueError(f"a sample carries at most {SAMPLE_VALUES} values")
+        slot = self.slot(node_id)
+        if slot is None:
+            return
+        cells, floats = self._cells, self._table.floats
+        at = self._table.samples_at + slot * SAMPLE_FIELDS
+        sequence = cells[at] | 1  # odd: being written (even after a writer that died midway)
+        cells[at] = sequence
+        cells[at + 1] = round(taken_s * 1e6)
+        cells[at + 2] = self._worker
+        if slot % self._table.workers == self._worker:
+            cells[at + 3] = round(taken_s * 1e6)  # the owner is alive
+        for i, value in enumerate(values, start=at + 4):
+            floats[i] = math.nan if value is None else value
+        cells[at] = sequence + 1  # even: written
+
+    def owner_published(self, node_id: str) -> float | None:
+        """When ``node_id``'s owner last published a sample of it (the monotonic clock); None
+        when it never did.  Samples other workers publish do not move it: while it is recent,
+        the owner is alive and the others need not scrape the node."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        at_us = self._cells[self._table.samples_at + slot * SAMPLE_FIELDS + 3]
+        return at_us / 1e6 if at_us else None
+
+    def latest(self, node_id: str) -> tuple[float, int, tuple[float | None, ...]] | None:
+        """The last sample any worker published of ``node_id``: when it was scraped (the
+        monotonic clock), by which worker, and its values (all ``SAMPLE_VALUES``); None when
+        there is none, or it was being written (read again at the next view)."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        cells = self._cells
+        at = self._table.samples_at + slot * SAMPLE_FIELDS
+        sequence = cells[at]
+        if sequence == 0 or sequence & 1:
+            return None
+        taken_us, worker = cells[at + 1], cells[at + 2]
+        raw = self._table.floats[at + 4 : at + SAMPLE_FIELDS].tolist()
+        if cells[at] != sequence:
+            return None
+        return taken_us / 1e6, worker, tuple(None if math.isnan(v) else v for v in raw)
 
     # -- demand --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from regional_agent.settings import TelemetrySettings
 from regional_agent.telemetry import Scrape, Scraper, TelemetryError
 from regional_agent.telemetry.parse import parse
 from regional_agent.upstream.client import NodeClient
+from regional_agent.workers.shared import SAMPLE_FIELDS, SAMPLE_VALUES, LoadShare, LoadTable
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
 
@@ -597,3 +599,110 @@ async def test_telemetry_is_unknown_before_any_scrape(
     assert described["stale"] is True
     assert described["age_s"] is None and described["scrapes_total"] == 0
     assert described["running"] is None and described["prefix_hit_rate"] is None
+
+
+# -- several workers: one scrape of each node for all of them -----------------------------------
+
+
+async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owner(
+    pages: PageStarter, client: NodeClient, clock: ManualClock, tmp_path: Path
+) -> None:
+    """Each worker scraping every node made each node render its page once per worker and
+    interval: now the node's owner scrapes it for all and publishes the sample; the others read
+    it, and scrape the node themselves only once the owner has published nothing for two
+    intervals and a timeout (it died, or hangs), before the sample goes stale."""
+    table = LoadTable(workers=2, slots=64)
+    servers = [await pages() for _ in range(4)]
+    for i, server in enumerate(servers):
+        server.page = vllm_page(running=i, waiting=2 * i, kv=0.1 * i)
+    ids = [NodeId(f"node-{i}") for i in range(len(servers))]
+    settings = TelemetrySettings(scrape_interval_s=1.0, scrape_timeout_s=1.0, stale_after_s=4.0)
+
+    def worker(index: int) -> Scraper:
+        pool = NodePool()
+        for node_id, server in zip(ids, servers, strict=True):
+            add(pool, node_id, server.url)
+        scraper = Scraper(pool=pool, client=client, settings=settings, clock=clock)
+        pool.telemetry = scraper
+        scraper.share = LoadShare(table, worker=index, lock_file=tmp_path / "slots.lock")
+        return scraper
+
+    first, second = worker(0), worker(1)
+    assert first.share is not None and second.share is not None
+    mine = [n for n in ids if first.share.owns(n)]
+    theirs = [n for n in ids if second.share.owns(n)]
+    assert sorted(mine + theirs) == ids and mine and theirs  # each node has one owner
+
+    def hits() -> list[int]:
+        return [server.hits for server in servers]
+
+    await first.scrape_once()  # nothing published yet: it scrapes every node
+    await second.scrape_once()  # its own nodes only: the first's samples are fresh
+    assert hits() == [2 if n in theirs else 1 for n in ids]
+    for node_id in mine:  # a start-up scrape of the second's that landed after the owner's
+        published = first.share.latest(node_id)
+        assert published is not None
+        second.share.publish(node_id, clock.t, published[2])
+    for _ in range(3):  # from then on, one scrape of each node a round
+        clock.t += 1.0
+        before = hits()
+        await first.scrape_once()
+        await second.scrape_once()
+        assert [h - b for h, b in zip(hits(), before, strict=True)] == [1, 1, 1, 1]
+    for i, node_id in enumerate(ids):
+        for scraper in (first, second):
+            telemetry = scraper.snapshot(node_id, now=clock.now())
+            assert telemetry is not None
+            assert (telemetry.running, telemetry.waiting) == (i, 2 * i)
+            assert telemetry.block_size == 16
+        owner, other = (first, second) if node_id in mine else (second, first)
+        assert owner.describe(node_id)["scraped_by"] is None
+        listed = other.describe(node_id)
+        assert listed["scraped_by"] == ("w0" if owner is first else "w1")
+        assert listed["num_gpu_blocks"] == 100 and listed["stale"] is False
+
+    # the first worker stops (killed): the second takes its nodes over before they go stale
+    silent_at = clock.now()
+    while clock.now() - silent_at < 5.0:
+        clock.t += 1.0
+        before = hits()
+        await second.scrape_once()
+        took_over = clock.now() - silent_at > 2 * 1.0 + 1.0
+        for node_id, was, now in zip(ids, before, hits(), strict=True):
+            scraped = node_id in theirs or took_over
+            assert now - was == (1 if scraped else 0), (node_id, clock.now() - silent_at)
+            assert second.snapshot(node_id, now=clock.now()) is not None
+
+
+def test_a_published_sample_crosses_a_fork_and_one_read_while_written_is_skipped(
+    tmp_path: Path,
+) -> None:
+    table = LoadTable(workers=2, slots=8)
+    reader = LoadShare(table, worker=0, lock_file=tmp_path / "slots.lock")
+    assert reader.latest("http://a:8000") is None
+    values: list[float | None] = [3.0, None, 0.25, *[float(i) for i in range(9)]]
+    pid = os.fork()
+    if pid == 0:  # the sibling publishes
+        code = 0
+        try:
+            LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish(
+                "http://a:8000", 12.5, values
+            )
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reader.latest("http://a:8000") == (12.5, 1, tuple(values))
+    slot = reader.slot("http://a:8000")
+    assert slot is not None
+    # the owner's last sample is kept apart: only the owner's publishing moves it
+    assert reader.owner_published("http://a:8000") == (12.5 if slot % 2 == 1 else None)
+    at = table.samples_at + slot * SAMPLE_FIELDS
+    table.cells[at] += 1  # odd: a writer is midway
+    assert reader.latest("http://a:8000") is None
+    with pytest.raises(ValueError, match="at most"):
+        reader.publish("http://a:8000", 1.0, [0.0] * (SAMPLE_VALUES + 1))
+    reader.publish("http://a:8000", 13.0, [1.0])  # a writer that died midway does not block
+    assert reader.latest("http://a:8000") == (13.0, 0, (1.0, *values[1:]))
