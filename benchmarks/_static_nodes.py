@@ -16,7 +16,8 @@ one nginx process (one worker process, pinned where the caller says), answering:
 Each node logs the ``X-Request-ID`` of every request it answered, one per line, to
 ``node<i>.log`` in the run directory (buffered; :meth:`StaticNodes.take_logs` flushes them).
 The agent forwards the client's id, so a load generator that puts a label in the id learns
-where each request went.
+where each request went.  Scrapes of ``/metrics`` go to ``node<i>.scrapes`` instead, unbuffered
+(:meth:`StaticNodes.scrapes` counts them).
 
 Needs ``nginx`` (Debian: ``apt-get install nginx-light``).
 """
@@ -55,7 +56,11 @@ _SERVER = """
     access_log {dir}/node{i}.log ids buffer=256k flush=1s;
     location = /health {{ return 200; }}
     location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
-    location = /metrics {{ default_type text/plain; alias {dir}/metrics.txt; }}
+    location = /metrics {{
+      access_log {dir}/node{i}.scrapes scrapes;
+      default_type text/plain;
+      alias {dir}/metrics.txt;
+    }}
     location = /v1/chat/completions {{ default_type application/json; return 200 '{completion}'; }}
     location / {{ return 404; }}
   }}
@@ -77,6 +82,7 @@ http {{
   keepalive_requests 100000000;
   keepalive_timeout 300s;
   log_format ids '$http_x_request_id';
+  log_format scrapes '$msec';
 {servers}
 }}
 """
@@ -148,6 +154,15 @@ class StaticNodes:
             with contextlib.suppress(FileNotFoundError):
                 taken.unlink()
             out.append(lines)
+        return out
+
+    def scrapes(self) -> list[int]:
+        """How many times each node has served its ``/metrics`` page since the start (its own
+        log, unbuffered: ``take_logs`` leaves it be)."""
+        out = []
+        for i in range(len(self.urls)):
+            path = self.dir / f"node{i}.scrapes"
+            out.append(len(path.read_text().split()) if path.exists() else 0)
         return out
 
     def stop(self) -> None:

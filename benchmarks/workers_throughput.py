@@ -26,7 +26,8 @@ has 2 s of warm-up first (not counted); repeats are interleaved, each going once
 N in an order rotated per repeat; the table gives medians (and the range).
 
 ``--idle`` sends no traffic: the agent's CPU a second (every process) with N workers doing
-nothing but their timers, written to workers_idle.json, .md and .png.
+nothing but their timers, and how often each node served its ``/metrics`` page meanwhile (the
+static nodes' scrape log), written to workers_idle.json, .md and .png.
 
 ``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
 CPU per request against one worker's is what the sharing costs (the prefix records each worker
@@ -488,29 +489,41 @@ def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int
                         asyncio.run(_wait(agent.url, model))
                         time.sleep(2.0)
                         cpu0, t0 = po.tree_cpu_s(agent.proc.pid), time.perf_counter()
+                        scrapes0 = nodes.scrapes()
                         time.sleep(args.duration_s)
                         cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
+                        scrapes = sum(nodes.scrapes()) - sum(scrapes0)
                         elapsed = time.perf_counter() - t0
                     finally:
                         ao.stop_all([agent])
-                    row = {"workers": workers, "repeat": rep, "cpu_ms_per_s": cpu / elapsed * 1e3}
+                    row = {
+                        "workers": workers,
+                        "repeat": rep,
+                        "cpu_ms_per_s": cpu / elapsed * 1e3,
+                        # what the agent costs the nodes: /metrics renders per node a second
+                        "node_scrapes_per_s": scrapes / len(nodes.urls) / elapsed,
+                    }
                     runs.append(row)
                     log(
                         f"repeat {rep + 1}/{args.repeats} workers {workers}: idle, "
-                        f"{row['cpu_ms_per_s']:.1f} ms of CPU a second"
+                        f"{row['cpu_ms_per_s']:.1f} ms of CPU a second, each node scraped "
+                        f"{row['node_scrapes_per_s']:.2f} times a second"
                     )
         finally:
             nodes.stop()
     summary = []
     for workers in counts:
-        values = [r["cpu_ms_per_s"] for r in runs if r["workers"] == workers]
+        rows = [r for r in runs if r["workers"] == workers]
         summary.append(
             {
                 "workers": workers,
-                "cpu_ms_per_s": {
-                    "median": statistics.median(values),
-                    "min": min(values),
-                    "max": max(values),
+                **{
+                    key: {
+                        "median": statistics.median(r[key] for r in rows),
+                        "min": min(r[key] for r in rows),
+                        "max": max(r[key] for r in rows),
+                    }
+                    for key in ("cpu_ms_per_s", "node_scrapes_per_s")
                 },
             }
         )
@@ -521,14 +534,15 @@ def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int
         f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
     )
     lines = [
-        "| workers | agent CPU, ms a second (all processes) | per worker |",
-        "|---|---|---|",
+        "| workers | agent CPU, ms a second (all processes) | per worker "
+        "| scrapes of each node a second |",
+        "|---|---|---|---|",
     ]
     for row in summary:
-        c = row["cpu_ms_per_s"]
+        c, n = row["cpu_ms_per_s"], row["node_scrapes_per_s"]
         lines.append(
             f"| {row['workers']} | {c['median']:.1f} ({c['min']:.1f} to {c['max']:.1f}) "
-            f"| {c['median'] / row['workers']:.1f} |"
+            f"| {c['median'] / row['workers']:.1f} | {n['median']:.2f} |"
         )
     result = {
         "benchmark": "workers_throughput --idle",
