@@ -200,6 +200,10 @@ class Static:
     def pids(self) -> list[int]:
         return [self._nodes.pid]  # the worker is counted with its master (po.tree_cpu_s)
 
+    def scrapes(self) -> list[int]:
+        """How many times each node has served its ``/metrics`` page since the start."""
+        return self._nodes.scrapes()
+
     def stop(self) -> None:
         self._nodes.stop()
 
