@@ -18,8 +18,9 @@ telemetry going stale or unavailable, and coming back.
 
 With several workers (``share``, the workers' shared table), a node is scraped by one of them,
 not by each: every scrape a worker makes is published, and a worker scrapes a node it does not
-own only while the owner has published no sample for two intervals and a timeout (it died, or
-hangs), so each node renders its page about once an interval whatever the workers.  A
+own only while the owner has neither published a sample nor failed a scrape for two intervals
+and a timeout (it died, or hangs), so each node renders its page about once an interval
+whatever the workers; a node that does not answer is the owner's to log.  A
 worker reads the fresher of its own sample and the published one.
 """
 
@@ -95,6 +96,8 @@ class SharedSamples(Protocol):
 
     def owner_published(self, node_id: str) -> float | None: ...
 
+    def tried(self, node_id: str, at_s: float) -> None: ...
+
     def publish(self, node_id: str, taken_s: float, values: Sequence[float | None]) -> None: ...
 
     def latest(self, node_id: str) -> tuple[float, int, tuple[float | None, ...]] | None: ...
@@ -133,6 +136,7 @@ class Scraper:
         self._in_flight: dict[NodeId, asyncio.Task[None]] = {}
         self._bug: BaseException | None = None  # raised by a scrape other than a node's fault
         self.share: SharedSamples | None = None  # with several workers (module docstring)
+        self._covering: set[NodeId] = set()  # nodes scraped here while their owner is silent
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -185,14 +189,30 @@ class Scraper:
         return started
 
     def _sibling_scrapes(self, node_id: NodeId) -> bool:
-        """Another worker owns ``node_id`` and published a sample of it lately."""
+        """Another worker owns ``node_id`` and published a sample of it lately.  This worker
+        logs when it starts to scrape a node for a silent owner, and when the owner is back."""
         assert self.share is not None
         if self.share.owns(node_id):
             return False
         published_s = self.share.owner_published(node_id)
+        if published_s is None:
+            return False  # at the start, before the owner's first sample
         settings = self._settings
-        recent_s = 2 * settings.scrape_interval_s + settings.scrape_timeout_s
-        return published_s is not None and self._clock.now() - published_s <= recent_s
+        silent_s = self._clock.now() - published_s
+        if silent_s <= 2 * settings.scrape_interval_s + settings.scrape_timeout_s:
+            if node_id in self._covering:
+                self._covering.discard(node_id)
+                log.info("telemetry owner back node=%s: its owner scrapes it again", node_id)
+            return True
+        if node_id not in self._covering:
+            self._covering.add(node_id)
+            log.warning(
+                "telemetry owner silent node=%s silent_s=%.1f: this worker scrapes it until "
+                "the owner publishes again",
+                node_id,
+                silent_s,
+            )
+        return False
 
     def _done(self, node_id: NodeId, task: asyncio.Task[None]) -> None:
         if self._in_flight.get(node_id) is task:
@@ -212,6 +232,8 @@ class Scraper:
             state.failures_total += 1
             state.last_error = str(exc)
             state.last_error_s = self._clock.now()
+            if self.share is not None:  # the owner is alive, the node is not answering
+                self.share.tried(node.node_id, state.last_error_s)
             return
         now = self._clock.now()
         if state.sample is not None:
@@ -233,14 +255,16 @@ class Scraper:
         self._pool.notify()
 
     def _log_change(self, node_id: NodeId, state: _NodeState, *, now: float) -> None:
-        fresh = state.is_fresh(now=now, stale_after_s=self._settings.stale_after_s)
-        if fresh == state.fresh or (state.sample is None and state.failures_total == 0):
+        latest = self._latest(node_id)  # with workers, a sibling's sample counts too
+        taken_s = None if latest is None else latest[0]
+        fresh = taken_s is not None and now - taken_s <= self._settings.stale_after_s
+        if fresh == state.fresh or (taken_s is None and state.failures_total == 0):
             return
         before, state.fresh = state.fresh, fresh
         if fresh:
             level = logging.DEBUG if before is None else logging.INFO
             log.log(level, "telemetry fresh node=%s", node_id)
-        elif state.sample is None:
+        elif taken_s is None:
             log.warning(
                 "telemetry unavailable node=%s failures=%d error=%s",
                 node_id,
@@ -251,7 +275,7 @@ class Scraper:
             log.warning(
                 "telemetry stale node=%s age_s=%.2f failures=%d error=%s",
                 node_id,
-                now - state.taken_s,
+                now - taken_s,
                 state.consecutive_failures,
                 state.last_error,
             )
@@ -321,6 +345,7 @@ class Scraper:
     def forget(self, node_id: NodeId) -> None:
         """Drop a node's samples and cancel its scrape in flight (it left the pool)."""
         self._states.pop(node_id, None)
+        self._covering.discard(node_id)
         task = self._in_flight.pop(node_id, None)
         if task is not None:
             task.cancel()

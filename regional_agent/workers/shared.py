@@ -352,10 +352,18 @@ class LoadShare:
             floats[i] = math.nan if value is None else value
         cells[at] = sequence + 1  # even: written
 
+    def tried(self, node_id: str, at_s: float) -> None:
+        """This worker's scrape of ``node_id`` failed at ``at_s``: if it owns the node, it is
+        alive (:meth:`owner_published`), and the node is what does not answer."""
+        slot = self.slot(node_id)
+        if slot is not None and slot % self._table.workers == self._worker:
+            self._cells[self._table.samples_at + slot * SAMPLE_FIELDS + 3] = round(at_s * 1e6)
+
     def owner_published(self, node_id: str) -> float | None:
-        """When ``node_id``'s owner last published a sample of it (the monotonic clock); None
-        when it never did.  Samples other workers publish do not move it: while it is recent,
-        the owner is alive and the others need not scrape the node."""
+        """When ``node_id``'s owner last published a sample of it, or failed to scrape it (the
+        monotonic clock); None when it never did either.  Samples other workers publish do not
+        move it: while it is recent, the owner is alive and the others need not scrape the
+        node."""
         slot = self.slot(node_id)
         if slot is None:
             return None

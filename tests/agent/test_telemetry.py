@@ -604,17 +604,11 @@ async def test_telemetry_is_unknown_before_any_scrape(
 # -- several workers: one scrape of each node for all of them -----------------------------------
 
 
-async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owner(
-    pages: PageStarter, client: NodeClient, clock: ManualClock, tmp_path: Path
-) -> None:
-    """Each worker scraping every node made each node render its page once per worker and
-    interval: now the node's owner scrapes it for all and publishes the sample; the others read
-    it, and scrape the node themselves only once the owner has published nothing for two
-    intervals and a timeout (it died, or hangs), before the sample goes stale."""
+def _two_workers(
+    servers: list[PageServer], client: NodeClient, clock: ManualClock, tmp_path: Path
+) -> tuple[list[NodeId], tuple[Scraper, Scraper]]:
+    """Two workers' scrapers over the same nodes (``node-<i>``), sharing a table."""
     table = LoadTable(workers=2, slots=64)
-    servers = [await pages() for _ in range(4)]
-    for i, server in enumerate(servers):
-        server.page = vllm_page(running=i, waiting=2 * i, kv=0.1 * i)
     ids = [NodeId(f"node-{i}") for i in range(len(servers))]
     settings = TelemetrySettings(scrape_interval_s=1.0, scrape_timeout_s=1.0, stale_after_s=4.0)
 
@@ -627,7 +621,25 @@ async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owne
         scraper.share = LoadShare(table, worker=index, lock_file=tmp_path / "slots.lock")
         return scraper
 
-    first, second = worker(0), worker(1)
+    return ids, (worker(0), worker(1))
+
+
+async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owner(
+    pages: PageStarter,
+    client: NodeClient,
+    clock: ManualClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each worker scraping every node made each node render its page once per worker and
+    interval: now the node's owner scrapes it for all and publishes the sample; the others read
+    it, and scrape the node themselves only once the owner has published nothing for two
+    intervals and a timeout (it died, or hangs), before the sample goes stale."""
+    caplog.set_level(logging.INFO, logger="regional_agent.telemetry.scraper")
+    servers = [await pages() for _ in range(4)]
+    for i, server in enumerate(servers):
+        server.page = vllm_page(running=i, waiting=2 * i, kv=0.1 * i)
+    ids, (first, second) = _two_workers(servers, client, clock, tmp_path)
     assert first.share is not None and second.share is not None
     mine = [n for n in ids if first.share.owns(n)]
     theirs = [n for n in ids if second.share.owns(n)]
@@ -672,6 +684,19 @@ async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owne
             scraped = node_id in theirs or took_over
             assert now - was == (1 if scraped else 0), (node_id, clock.now() - silent_at)
             assert second.snapshot(node_id, now=clock.now()) is not None
+    silent = [r.getMessage() for r in caplog.records if "owner silent" in r.getMessage()]
+    assert sorted(m.split()[3] for m in silent) == [f"node={n}" for n in sorted(mine)]
+
+    await first.scrape_once()  # the first is back (started again): the second lets go
+    clock.t += 1.0
+    before = hits()
+    await second.scrape_once()
+    assert [h - b for h, b in zip(hits(), before, strict=True)] == [
+        0 if n in mine else 1 for n in ids
+    ]
+    assert sum("owner back" in r.getMessage() for r in caplog.records) == len(mine)
+    # its own samples of the second's nodes (round 1) aged, but the published ones did not
+    assert not any("telemetry stale" in r.getMessage() for r in caplog.records)
 
 
 def test_a_published_sample_crosses_a_fork_and_one_read_while_written_is_skipped(
@@ -706,3 +731,30 @@ def test_a_published_sample_crosses_a_fork_and_one_read_while_written_is_skipped
         reader.publish("http://a:8000", 1.0, [0.0] * (SAMPLE_VALUES + 1))
     reader.publish("http://a:8000", 13.0, [1.0])  # a writer that died midway does not block
     assert reader.latest("http://a:8000") == (13.0, 0, (1.0, *values[1:]))
+
+
+async def test_a_node_that_fails_its_scrapes_is_left_to_its_owner(
+    pages: PageStarter,
+    client: NodeClient,
+    clock: ManualClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An owner whose scrapes fail is alive: the others do not scrape the failing node too (N
+    scrapes of a node in trouble) nor call its owner silent; the owner logs the node."""
+    servers = [await pages() for _ in range(4)]
+    for server in servers:
+        server.status = 500
+    ids, (first, second) = _two_workers(servers, client, clock, tmp_path)
+    await first.scrape_once()  # every node: nothing tried yet
+    await second.scrape_once()  # its own: the first's failures say it is alive
+    for _ in range(6):
+        clock.t += 1.0
+        before = [server.hits for server in servers]
+        await first.scrape_once()
+        await second.scrape_once()
+        assert [s.hits - b for s, b in zip(servers, before, strict=True)] == [1, 1, 1, 1]
+    assert not any("owner silent" in r.getMessage() for r in caplog.records)
+    for node_id in ids:
+        assert first.snapshot(node_id, now=clock.t) is None
+        assert second.snapshot(node_id, now=clock.t) is None
