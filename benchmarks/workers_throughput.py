@@ -476,7 +476,7 @@ def _throughput(left: Any, xs: list[int], rps: list[float]) -> None:
     left.set_ylabel("requests/s")
 
 
-def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int]) -> int:
+def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -> int:
     """``--idle``: each N's agent with no traffic at all, its CPU (every process) over
     ``--duration-s`` after 2 s settled; repeats interleaved as for the throughput."""
     runs: list[dict[str, Any]] = []
@@ -515,7 +515,7 @@ def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int
                     )
         finally:
             nodes.stop()
-    summary = []
+    summary: list[dict[str, Any]] = []
     for workers in counts:
         rows = [r for r in runs if r["workers"] == workers]
         summary.append(
@@ -542,11 +542,11 @@ def idle_cpu(args: argparse.Namespace, counts: Sequence[int], cpus: Sequence[int
         "| scrapes of each node a second |",
         "|---|---|---|---|",
     ]
-    for row in summary:
-        c, n = row["cpu_ms_per_s"], row["node_scrapes_per_s"]
+    for entry in summary:
+        c, n = entry["cpu_ms_per_s"], entry["node_scrapes_per_s"]
         lines.append(
-            f"| {row['workers']} | {c['median']:.1f} ({c['min']:.1f} to {c['max']:.1f}) "
-            f"| {c['median'] / row['workers']:.1f} | {n['median']:.2f} |"
+            f"| {entry['workers']} | {c['median']:.1f} ({c['min']:.1f} to {c['max']:.1f}) "
+            f"| {c['median'] / entry['workers']:.1f} | {n['median']:.2f} |"
         )
     result = {
         "benchmark": "workers_throughput --idle",

@@ -20,8 +20,8 @@ With several workers (``share``, the workers' shared table), a node is scraped b
 not by each: every scrape a worker makes is published, and a worker scrapes a node it does not
 own only while the owner has neither published a sample nor failed a scrape for two intervals
 and a timeout (it died, or hangs), so each node renders its page about once an interval
-whatever the workers; a node that does not answer is the owner's to log.  A
-worker reads the fresher of its own sample and the published one.
+whatever the workers; a node that does not answer is the owner's to log.  A worker reads the
+fresher of its own sample and the published one.
 """
 
 from __future__ import annotations
