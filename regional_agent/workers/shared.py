@@ -66,8 +66,9 @@ running count over its lives (a new life goes on from the last's), so their sum 
 Samples spare the nodes a scrape per worker (``telemetry.scraper``): the worker that owns a
 node (its slot modulo the workers) scrapes its ``/metrics`` and publishes what it derived
 (:meth:`LoadShare.publish`: up to ``SAMPLE_VALUES`` numbers); the others read it
-(:meth:`LoadShare.latest`) and scrape the node themselves only while its owner has published
-nothing lately (:meth:`LoadShare.owner_published`): it died, or hangs.  A sample is written as a
+(:meth:`LoadShare.latest`) and scrape the node themselves only while its owner has neither
+published a sample nor failed a scrape lately (:meth:`LoadShare.owner_published`): it died, or
+hangs.  A sample is written as a
 seqlock: a sequence made odd first, the fields, the sequence made even last; a reader takes the
 fields only between two equal even reads of it, so a sample read while written is skipped.
 
@@ -334,7 +335,7 @@ class LoadShare:
 
     def publish(self, node_id: str, taken_s: float, values: Sequence[float | None]) -> None:
         """This worker scraped ``node_id`` at ``taken_s`` (the monotonic clock) and derived
-        ``values`` (at most ``SAMPLE_VALUES``; None: not known)."""
+        ``values`` (at most ``SAMPLE_VALUES``; None, and any left out: not known)."""
         if len(values) > SAMPLE_VALUES:
             raise ValueError(f"a sample carries at most {SAMPLE_VALUES} values")
         slot = self.slot(node_id)
@@ -348,8 +349,9 @@ class LoadShare:
         cells[at + 2] = self._worker
         if slot % self._table.workers == self._worker:
             cells[at + 3] = round(taken_s * 1e6)  # the owner is alive
-        for i, value in enumerate(values, start=at + 4):
-            floats[i] = math.nan if value is None else value
+        for i in range(SAMPLE_VALUES):
+            value = values[i] if i < len(values) else None
+            floats[at + 4 + i] = math.nan if value is None else value
         cells[at] = sequence + 1  # even: written
 
     def tried(self, node_id: str, at_s: float) -> None:
