@@ -92,6 +92,9 @@ class SharedSamples(Protocol):
     """The workers' published samples (``workers.shared.LoadShare``): numbers, None where
     not known; what they are is :data:`PUBLISHED`."""
 
+    @property
+    def worker(self) -> int: ...
+
     def owns(self, node_id: str) -> bool: ...
 
     def owner_published(self, node_id: str) -> float | None: ...
@@ -313,8 +316,15 @@ class Scraper:
         own: _Latest | None = None
         if state is not None and state.sample is not None:
             own = (state.taken_s, None, state.values)
-        published = self.share.latest(node_id) if self.share is not None else None
-        if published is None or (own is not None and own[0] >= published[0]):
+        if self.share is None:
+            return own
+        published = self.share.latest(node_id)
+        if published is None:
+            return own
+        if own is None:
+            return published  # a sibling's, or this worker's before it was started again
+        # this worker's own sample, published (its stamp rounded to the µs), is not a sibling's
+        if published[1] == self.share.worker or own[0] >= published[0]:
             return own
         return published
 

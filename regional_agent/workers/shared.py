@@ -189,6 +189,11 @@ class LoadShare:
         self._demand = table.demand_at + worker * 2
         self._arrived_before = self._cells[self._demand + 1]  # its earlier lives' (docstring)
 
+    @property
+    def worker(self) -> int:
+        """This worker's index."""
+        return self._worker
+
     # -- slots -------------------------------------------------------------------------------
 
     def slot(self, node_id: str) -> int | None:

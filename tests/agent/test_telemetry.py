@@ -636,6 +636,7 @@ async def test_workers_share_one_scrape_of_each_node_and_take_over_a_silent_owne
     it, and scrape the node themselves only once the owner has published nothing for two
     intervals and a timeout (it died, or hangs), before the sample goes stale."""
     caplog.set_level(logging.INFO, logger="regional_agent.telemetry.scraper")
+    clock.t = 100.0000006  # a published stamp is rounded to the µs: up, here
     servers = [await pages() for _ in range(4)]
     for i, server in enumerate(servers):
         server.page = vllm_page(running=i, waiting=2 * i, kv=0.1 * i)
