@@ -363,16 +363,20 @@ async def _wait(url: str, model: str) -> None:
         await ao.wait_serving(session, url, model=model, timeout_s=60)
 
 
+def _spread(values: list[float]) -> dict[str, float] | None:
+    """The median and range of ``values``; None where there are none."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for workers in sorted({r["workers"] for r in runs}):
         rows = [r for r in runs if r["workers"] == workers]
 
         def med(key: str, rows: list[dict[str, Any]] = rows) -> dict[str, float] | None:
-            values = [r[key] for r in rows if r.get(key) is not None]
-            if not values:
-                return None
-            return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+            return _spread([r[key] for r in rows if r.get(key) is not None])
 
         out.append(
             {
@@ -522,11 +526,7 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
             {
                 "workers": workers,
                 **{
-                    key: {
-                        "median": statistics.median(r[key] for r in rows),
-                        "min": min(r[key] for r in rows),
-                        "max": max(r[key] for r in rows),
-                    }
+                    key: _spread([r[key] for r in rows])
                     for key in ("cpu_ms_per_s", "node_scrapes_per_s")
                 },
             }

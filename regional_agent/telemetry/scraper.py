@@ -121,6 +121,7 @@ PUBLISHED = (
     "num_gpu_blocks",
 )
 """What a published sample carries: the admin listing's numbers of one scrape, in this order."""
+_BLOCK_SIZE = PUBLISHED.index("block_size")
 # (when the sample was taken, the worker that took it (None: this one), its PUBLISHED values)
 _Latest = tuple[float, int | None, tuple[float | None, ...]]
 
@@ -292,7 +293,7 @@ class Scraper:
             return None
         taken_s, _, values = latest
         running, waiting, kv_util, hit_rate = values[:4]
-        block_size = values[PUBLISHED.index("block_size")]
+        block_size = values[_BLOCK_SIZE]
         return Telemetry(
             age_s=max(0.0, now - taken_s),
             running=round(running or 0.0),

@@ -68,9 +68,9 @@ node (its slot modulo the workers) scrapes its ``/metrics`` and publishes what i
 (:meth:`LoadShare.publish`: up to ``SAMPLE_VALUES`` numbers); the others read it
 (:meth:`LoadShare.latest`) and scrape the node themselves only while its owner has neither
 published a sample nor failed a scrape lately (:meth:`LoadShare.owner_published`): it died, or
-hangs.  A sample is written as a
-seqlock: a sequence made odd first, the fields, the sequence made even last; a reader takes the
-fields only between two equal even reads of it, so a sample read while written is skipped.
+hangs.  A sample is written as a seqlock: a sequence made odd first, the fields, the sequence
+made even last; a reader takes the fields only between two equal even reads of it, so a sample
+read while written is skipped.
 
 A worker that dies leaves its counts behind; the supervisor zeroes them and its queued requests
 (:meth:`LoadTable.clear_worker`) before it starts the worker again, and counts the death
@@ -336,7 +336,11 @@ class LoadShare:
         """Whether this worker scrapes ``node_id`` for every worker (module docstring); a node
         without a slot, each scrapes for itself."""
         slot = self.slot(node_id)
-        return slot is None or slot % self._table.workers == self._worker
+        return slot is None or self._owner(slot)
+
+    def _owner(self, slot: int) -> bool:
+        """Whether this worker owns the node of ``slot`` (module docstring)."""
+        return slot % self._table.workers == self._worker
 
     def publish(self, node_id: str, taken_s: float, values: Sequence[float | None]) -> None:
         """This worker scraped ``node_id`` at ``taken_s`` (the monotonic clock) and derived
@@ -352,7 +356,7 @@ class LoadShare:
         cells[at] = sequence
         cells[at + 1] = round(taken_s * 1e6)
         cells[at + 2] = self._worker
-        if slot % self._table.workers == self._worker:
+        if self._owner(slot):
             cells[at + 3] = round(taken_s * 1e6)  # the owner is alive
         for i in range(SAMPLE_VALUES):
             value = values[i] if i < len(values) else None
@@ -363,7 +367,7 @@ class LoadShare:
         """This worker's scrape of ``node_id`` failed at ``at_s``: if it owns the node, it is
         alive (:meth:`owner_published`), and the node is what does not answer."""
         slot = self.slot(node_id)
-        if slot is not None and slot % self._table.workers == self._worker:
+        if slot is not None and self._owner(slot):
             self._cells[self._table.samples_at + slot * SAMPLE_FIELDS + 3] = round(at_s * 1e6)
 
     def owner_published(self, node_id: str) -> float | None:
