@@ -153,7 +153,9 @@ class GroupPolicy:
             reason=f"groups: {kind} bucket {bucket} -> {grp} ({choice.reason}); {member.reason}",
         )
 
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+    def observe_routed(
+        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
         return None
 
     def forget_node(self, node: NodeId) -> None:

@@ -38,11 +38,21 @@ The hashes must chain (as :func:`policies.prompt.block_hashes` makes them): :met
 where holders drop out by bisection, which is exact only because a chained block is held with
 every block before it.
 
+An insert may leave a prompt's leading blocks out (``known_blocks``: a sibling worker said so
+moments ago, and said the whole prompt at most a second before; ``regional_agent.workers``).
+Their claims then stay up to that long older than the tail's, and may expire (or be evicted,
+which takes the least recently touched first) before it.  A match then finds less of the prompt
+on the node (none of it, once block 0's claim has gone), or, where a shallower block's claim is
+fresher than the rest of the head's, may still count the node through the tail.  Either stays
+true to what the index records: the tail's claim says the whole prompt was sent there within
+``ttl_s``.
+
 Not thread-safe, no I/O, no clock: every call takes ``now`` in seconds on the caller's clock.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
@@ -134,20 +144,25 @@ class PrefixIndex:
             positions = self._by_length[length] = tuple(found)
         return positions
 
-    def insert(self, hashes: Sequence[int], node: NodeId, *, now: float) -> None:
+    def insert(
+        self, hashes: Sequence[int], node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
         """Record that ``node`` holds the prompt whose chained block hashes are ``hashes``.
 
         Only the first ``capacity_blocks`` indexed blocks are kept: a longer prompt cannot fit
         anyway, and its head is what other prompts share.  A claim is stamped with the latest
         ``now`` given to the index so far (here or to :meth:`match`), so a clock that steps
         back cannot make a block look older than the blocks after it (:meth:`match` relies on
-        that).
+        that).  The leading ``known_blocks`` are left as they are, and their hashes not read
+        (module docstring).
         """
         if now < self._latest:
             now = self._latest
         self._latest = now
         entries = self._entries
         positions = self._positions(len(hashes))[: self._capacity_blocks]
+        if known_blocks > 0:
+            positions = positions[bisect.bisect_left(positions, known_blocks) :]
         for h in reversed([hashes[i] for i in positions]):
             holders = entries.get(h)
             if holders is None:

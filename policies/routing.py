@@ -229,8 +229,13 @@ class Policy(Protocol):
         """The node for ``request`` among ``nodes``, or ``node=None`` with the reason."""
         ...
 
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
-        """``request`` was sent to ``node`` (feeds the prefix index)."""
+    def observe_routed(
+        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
+        """``request`` was sent to ``node`` (feeds the prefix index).  ``known_blocks``: the
+        prompt's leading blocks the policy was told went to ``node`` moments ago (a sibling
+        worker's earlier record, ``PrefixIndex.insert``); their hashes in ``request`` are not
+        read."""
         ...
 
     def forget_node(self, node: NodeId) -> None:
@@ -421,7 +426,9 @@ class _Base:
     ) -> Decision:
         raise NotImplementedError
 
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+    def observe_routed(
+        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
         return None
 
     def forget_node(self, node: NodeId) -> None:
@@ -737,10 +744,12 @@ class _Indexed(_Base):
                 dense_head_blocks=self._config.prefix_dense_head_blocks,
             )
 
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
-        self._index.insert(request.block_hashes, node, now=now)
+    def observe_routed(
+        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
+        self._index.insert(request.block_hashes, node, now=now, known_blocks=known_blocks)
         if self._pending is not None:
-            self._pending.insert(request.block_hashes, node, now=now)
+            self._pending.insert(request.block_hashes, node, now=now, known_blocks=known_blocks)
 
     def forget_node(self, node: NodeId) -> None:
         self._index.remove_node(node)

@@ -30,7 +30,9 @@ class Oracle(routing._Meridian):
         super().__init__(dataclasses.replace(config, meridian_candidates=0))
         self._cached_blocks = cached_blocks
 
-    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+    def observe_routed(
+        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
+    ) -> None:
         return None  # it needs no index: it reads the caches
 
     def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:

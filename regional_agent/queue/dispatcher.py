@@ -120,8 +120,9 @@ class Dispatcher:
         self._seq = itertools.count()
         self._leases: dict[NodeId, set[Lease]] = {}
         self.stats = DispatchStats()
-        # with several workers: tells the siblings where a prompt went (workers.siblings)
-        self.on_routed: Callable[[NodeId, tuple[int, ...]], None] | None = None
+        # with several workers: tells the siblings where a prompt went, and how many of its
+        # leading blocks the policy matched there (workers.siblings)
+        self.on_routed: Callable[[NodeId, tuple[int, ...], int], None] | None = None
         # with several workers: where they sent new prompts moments ago (_with_claims)
         self.claims: PrefixClaims | None = None
         # with several workers: a request now waits for a slot (the share loop's fast pace)
@@ -311,7 +312,9 @@ class Dispatcher:
             return None  # it waits: a freed slot wakes the queue
         self.policy.observe_routed(request, target, now=now)
         if self.on_routed is not None and request.block_hashes:
-            self.on_routed(target, request.block_hashes)
+            self.on_routed(
+                target, request.block_hashes, decision.expected_hit_tokens // request.block_tokens
+            )
         node = self._pool.get(target)
         if node is not None:
             node.decisions.append(decision.reason)

@@ -173,12 +173,17 @@ class WorkerRuntime:
         autoscaler of the worker that acts reads the load of all of them."""
         return self.share.demand(*self._dispatcher.demand())
 
-    def _record(self, node_id: str, hashes: tuple[int, ...]) -> None:
-        """A sibling sent a prompt of ``hashes`` to ``node_id``: this worker's index learns it."""
+    def _record(self, node_id: str, start: int, hashes: tuple[int, ...]) -> None:
+        """A sibling sent a prompt to ``node_id``, of ``hashes`` from block ``start`` on (it
+        said the blocks before, whole, moments ago): this worker's index learns it."""
         if node_id not in self._pool:
             return
+        if start:
+            hashes = (0,) * start + hashes  # stand-ins for the head, which the index does not read
         request = RequestView(model="", prompt_tokens=0, max_tokens=0, block_hashes=hashes)
-        self._dispatcher.policy.observe_routed(request, NodeId(node_id), now=self._clock.now())
+        self._dispatcher.policy.observe_routed(
+            request, NodeId(node_id), now=self._clock.now(), known_blocks=start
+        )
 
     # -- the admin API and metrics, for every worker ------------------------------------------
 

@@ -13,8 +13,18 @@ it had routed the request, so N workers keep the hit rate of one.  Sending never
 sibling that is restarting, or whose socket buffer is full, misses the record (counted in
 ``dropped``); the index is a hint, and the next request of that prefix teaches it again.
 
-Wire format, per record: ``u16`` node id length, ``u32`` hash count, the node id (UTF-8), the
-hashes (``u64``, native order: the datagram never leaves the host).
+Most prompts start with a head the region has seen (a system prompt, a conversation's earlier
+turns).  Every sibling decodes and inserts every record, so with N workers a prompt's head would
+cost N - 1 inserts of every block; for 8 workers that was a fifth of their CPU.  So a record
+leaves its head out (only the tail's blocks, from block ``start``) when the head is the part of
+the prompt this worker's policy matched on the node (``Decision.expected_hit_tokens``) and this
+worker sent that head to that node whole less than ``FULL_EVERY_S`` ago.  The siblings' claims
+on the head are then at most that much older than on the tail, which the index allows
+(``policies.prefix_index``); a sibling that missed the whole record learns the head within
+``FULL_EVERY_S``.
+
+Wire format, per record: ``u16`` node id length, ``u32`` first block, ``u32`` hash count, the
+node id (UTF-8), the hashes (``u64``, native order: the datagram never leaves the host).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import struct
 from array import array
@@ -31,7 +42,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 60_000
-_HEAD = struct.Struct("=HI")
+FULL_EVERY_S = 1.0  # a prompt head is sent whole to the siblings at least this often, per node
+_TOLD_KEPT = 16_384  # (node, head) pairs sent whole that are remembered at most
+_HEAD = struct.Struct("=HII")
 _HASH_BYTES = array("Q").itemsize
 MAX_HASHES = (MAX_DATAGRAM - _HEAD.size - 1024) // _HASH_BYTES  # a record fits one datagram
 
@@ -40,14 +53,16 @@ def prefix_socket(directory: Path, worker: int) -> Path:
     return directory / f"w{worker}.prefix"
 
 
-def encode(node_id: str, hashes: Sequence[int]) -> bytes:
-    """One record; raises ``OverflowError`` for a hash outside 0 .. 2**64 - 1."""
+def encode(node_id: str, hashes: Sequence[int], start: int = 0) -> bytes:
+    """One record: a prompt's block hashes from block ``start`` on; raises ``OverflowError`` for
+    a hash outside 0 .. 2**64 - 1."""
     name = node_id.encode("utf-8")
-    return _HEAD.pack(len(name), len(hashes)) + name + array("Q", hashes).tobytes()
+    return _HEAD.pack(len(name), start, len(hashes)) + name + array("Q", hashes).tobytes()
 
 
-def decode(datagram: bytes) -> list[tuple[str, tuple[int, ...]]]:
-    """The records of one datagram; raises ``ValueError`` for a malformed one."""
+def decode(datagram: bytes) -> list[tuple[str, int, tuple[int, ...]]]:
+    """The records of one datagram, each its node, first block and hashes; raises
+    ``ValueError`` for a malformed one."""
     out = []
     view = memoryview(datagram)
     size = len(view)
@@ -55,14 +70,14 @@ def decode(datagram: bytes) -> list[tuple[str, tuple[int, ...]]]:
     while at < size:
         if at + _HEAD.size > size:
             raise ValueError("a truncated record head")
-        name_len, count = _HEAD.unpack_from(view, at)
+        name_len, start, count = _HEAD.unpack_from(view, at)
         at += _HEAD.size
         end = at + name_len + count * _HASH_BYTES
         if end > size:
             raise ValueError("a truncated record")
         name = str(view[at : at + name_len], "utf-8")
         # the hashes read in place (a cast view reads unaligned items with memcpy), then copied
-        out.append((name, tuple(view[at + name_len : end].cast("Q"))))
+        out.append((name, start, tuple(view[at + name_len : end].cast("Q"))))
         at = end
     return out
 
@@ -76,11 +91,13 @@ class PrefixRelay:
         directory: Path,
         worker: int,
         workers: int,
-        on_record: Callable[[str, tuple[int, ...]], None],
+        on_record: Callable[[str, int, tuple[int, ...]], None],
         flush_after_s: float = 0.002,
+        full_every_s: float = FULL_EVERY_S,
     ) -> None:
         self._directory = directory
         self._flush_after_s = flush_after_s
+        self._full_every_s = full_every_s
         self._worker = worker
         self._siblings = [prefix_socket(directory, w) for w in range(workers) if w != worker]
         self._on_record = on_record
@@ -89,7 +106,9 @@ class PrefixRelay:
         self._pending_bytes = 0
         self._timer: asyncio.TimerHandle | None = None  # the pending batch's flush
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._told: dict[tuple[str, int], float] = {}  # (node, a head's last hash): sent whole
         self.sent = 0  # records sent (to each sibling)
+        self.tails = 0  # of them, records that left their head out
         self.datagrams = 0  # batches sent (to each sibling)
         self.received = 0
         self.dropped = 0  # datagrams a sibling did not take (restarting, or its buffer full)
@@ -127,18 +146,37 @@ class PrefixRelay:
             self._socket.close()
             self._socket = None
 
-    def send(self, node_id: str, hashes: Sequence[int]) -> None:
+    def send(self, node_id: str, hashes: Sequence[int], matched: int = 0) -> None:
         """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched for
-        ``flush_after_s``); a prompt of more than ``MAX_HASHES`` blocks (7,371: 118k tokens of
-        16) sends its leading ones."""
-        if self._socket is None or not self._siblings or not hashes:
+        ``flush_after_s``), of which this worker's policy matched the leading ``matched`` on it:
+        those are left out when this worker sent them to that node whole less than
+        ``full_every_s`` ago (module docstring).  A prompt of more than ``MAX_HASHES`` blocks
+        (7,371: 118k tokens of 16) sends its leading ones."""
+        if self._socket is None or not self._siblings or not hashes or self._loop is None:
             return
-        if len(hashes) > MAX_HASHES:
-            hashes = hashes[:MAX_HASHES]  # the leading blocks: what a prefix match reads first
+        start = 0
+        if matched > 0:
+            told = self._told
+            key = (node_id, hashes[min(matched, len(hashes)) - 1])
+            now = self._loop.time()
+            if now - told.get(key, -math.inf) < self._full_every_s:
+                start = matched
+            else:
+                if len(told) >= _TOLD_KEPT:  # keep those that still count
+                    fresh = now - self._full_every_s
+                    told = self._told = {k: t for k, t in told.items() if t > fresh}
+                    if len(told) >= _TOLD_KEPT // 2:
+                        told.clear()  # then some are sent whole again, sooner
+                told[key] = now
+        end = min(len(hashes), MAX_HASHES)  # the leading blocks: what a prefix match reads first
+        if start >= end:
+            return  # the siblings were told of all of it a moment ago
         try:
-            record = encode(node_id, hashes)
+            record = encode(node_id, hashes[start:end], start)
         except OverflowError:
             return  # not a 64-bit hash: nothing a sibling's index could match
+        if start:
+            self.tails += 1
         if self._pending_bytes + len(record) > MAX_DATAGRAM:
             self._flush()  # a full batch leaves now, and its timer goes with it
         self._pending.append(record)
@@ -179,6 +217,6 @@ class PrefixRelay:
             except (ValueError, UnicodeDecodeError):
                 self.malformed += 1
                 continue
-            for node_id, hashes in records:
+            for node_id, start, hashes in records:
                 self.received += 1
-                self._on_record(node_id, hashes)
+                self._on_record(node_id, start, hashes)

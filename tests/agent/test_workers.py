@@ -489,14 +489,15 @@ def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
     st.lists(
         st.tuples(
             st.text(min_size=1, max_size=40),
+            st.integers(min_value=0, max_value=2**32 - 1),
             st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=50),
         ),
         max_size=8,
     )
 )
-def test_prefix_records_survive_the_wire(records: list[tuple[str, list[int]]]) -> None:
-    datagram = b"".join(encode(node, hashes) for node, hashes in records)
-    assert decode(datagram) == [(node, tuple(hashes)) for node, hashes in records]
+def test_prefix_records_survive_the_wire(records: list[tuple[str, int, list[int]]]) -> None:
+    datagram = b"".join(encode(node, hashes, start) for node, start, hashes in records)
+    assert decode(datagram) == [(node, start, tuple(hashes)) for node, start, hashes in records]
 
 
 def test_a_truncated_prefix_datagram_is_refused() -> None:
@@ -517,7 +518,7 @@ async def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_he
             directory=tmp_path,
             worker=w,
             workers=3,
-            on_record=lambda node, hashes, w=w: got.setdefault(w, []).append((node, hashes)),
+            on_record=lambda node, _, hashes, w=w: got.setdefault(w, []).append((node, hashes)),
         )
         for w in range(3)
     ]
@@ -541,6 +542,115 @@ async def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_he
     assert relays[0].dropped == 0 and relays[1].malformed == 0
 
 
+async def test_a_record_leaves_out_the_head_its_sender_sent_that_node_whole_moments_ago(
+    tmp_path: Path,
+) -> None:
+    """A prompt's head (the blocks the sender's policy matched on the node) goes whole to the
+    siblings once per ``full_every_s`` per node; in between, records carry only the tail, and
+    a sibling's index learns the whole prompt from them as from whole records."""
+    full_every_s = 0.3
+    got: list[tuple[str, int, tuple[int, ...]]] = []
+    relays = [
+        PrefixRelay(
+            directory=tmp_path,
+            worker=w,
+            workers=2,
+            on_record=lambda node, start, hashes: got.append((node, start, hashes)),
+            flush_after_s=0.001,
+            full_every_s=full_every_s,
+        )
+        for w in range(2)
+    ]
+    for relay in relays:
+        relay.start()
+    sender = relays[0]
+    head = tuple(range(1, 25))
+    a, b = "http://a:8000", "http://b:8000"
+    loop = asyncio.get_running_loop()
+
+    async def received(count: int) -> None:
+        for _ in range(100):
+            if len(got) >= count:
+                return
+            await asyncio.sleep(0.01)
+
+    try:
+        sender.send(a, (*head, 100))  # a new prompt: nothing matched
+        sender.send(a, (*head, 101), 24)  # its head matched on a, not yet sent whole as one
+        sent_whole = loop.time()
+        sender.send(a, (*head, 102), 24)  # now it was: the tail alone
+        sender.send(a, (*head, 103, 104), 24)
+        sender.send(b, (*head, 105), 24)  # another node: whole
+        sender.send(a, head, 24)  # the head alone, matched and told: nothing to tell
+        await received(5)
+        assert loop.time() - sent_whole < full_every_s  # else the test proves nothing
+        await asyncio.sleep(full_every_s)
+        sender.send(a, (*head, 106), 24)  # told long enough ago: whole again
+        await received(6)
+    finally:
+        for relay in relays:
+            relay.close()
+    assert got == [
+        (a, 0, (*head, 100)),
+        (a, 0, (*head, 101)),
+        (a, 24, (102,)),
+        (a, 24, (103, 104)),
+        (b, 0, (*head, 105)),
+        (a, 0, (*head, 106)),
+    ]
+    assert (sender.sent, sender.tails) == (6, 2)
+
+
+async def test_a_sibling_learns_whole_prompts_from_records_without_their_head(
+    tmp_path: Path,
+) -> None:
+    """Worker 0 routes questions after one system prompt, so most of its records leave the
+    head out; worker 1's policy still matches each whole prompt on the node it went to."""
+    table = LoadTable(workers=2, slots=16)
+    nodes = [NodeId("http://a:8000"), NodeId("http://b:8000")]
+
+    def runtime(index: int) -> WorkerRuntime:
+        pool = NodePool()
+        for node in nodes:
+            pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
+        worker = Worker(index=index, count=2, directory=tmp_path, table=table, secret="s")
+        return WorkerRuntime(
+            worker,
+            pool=pool,
+            dispatcher=_dispatcher(pool, index),
+            clock=MonotonicClock(),
+            render_metrics=lambda: b"",
+            share_interval_s=0.002,
+        )
+
+    def chat(tail: int) -> RequestView:
+        hashes = (*range(1, 31), tail)  # a system prompt of 30 blocks, a question
+        return RequestView(model=MODEL, prompt_tokens=31 * 16, max_tokens=1, block_hashes=hashes)
+
+    first, second = runtime(0), runtime(1)
+    first.start()
+    second.start()
+    try:
+        went = []
+        for tail in range(100, 106):
+            lease = await first._dispatcher.acquire(chat(tail), tokens=31 * 16 + 1)
+            went.append(lease.node_id)
+            lease.release()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if second.relay.received == first.relay.sent:
+                break
+    finally:
+        first.close()
+        second.close()
+    assert len(set(went)) == 1  # one agent's routing: the prompt stays on its node
+    assert first.relay.sent == 6 and first.relay.tails == 4  # the first two whole
+    policy, views = second._dispatcher.policy, second._pool.views(now=0.0)
+    for tail in range(100, 106):
+        decision = policy.choose(chat(tail), list(views), now=0.0, rng=random.Random(0))
+        assert (decision.node, decision.expected_hit_tokens) == (went[0], 31 * 16), tail
+
+
 async def test_a_full_batch_leaves_at_once_and_the_relay_keeps_one_timer(tmp_path: Path) -> None:
     """Batches leave at most once per ``flush_after_s`` besides the full ones: a full batch that
     left early takes its timer with it (a stray timer doubled the datagrams for good)."""
@@ -551,7 +661,7 @@ async def test_a_full_batch_leaves_at_once_and_the_relay_keeps_one_timer(tmp_pat
             directory=tmp_path,
             worker=w,
             workers=2,
-            on_record=lambda node, hashes: got.append((node, hashes)),
+            on_record=lambda node, _, hashes: got.append((node, hashes)),
             flush_after_s=flush_after_s,
         )
         for w in range(2)

@@ -102,6 +102,22 @@ def test_insert_refreshes_the_claim_and_expires_old_entries() -> None:
     assert len(index) == 3
 
 
+def test_an_insert_with_known_blocks_stamps_only_the_blocks_past_them() -> None:
+    """A sibling worker's record of a prompt whose head it sent whole moments ago: the head's
+    hashes are not read (stand-ins here), its claims keep their time, and the whole prompt
+    matches; once the head's claims expire, the node holds none of it, though the tail's claims
+    live on (module docstring)."""
+    index = PrefixIndex(capacity_blocks=100, ttl_s=10, stride_blocks=2, dense_head_blocks=2)
+    whole = chain(0, 1, 2, 3, 4)
+    index.insert(whole, A, now=0)
+    longer = chain(0, 1, 2, 3, 4, 5, 6, 7)
+    index.insert((0,) * 5 + longer[5:], A, now=1, known_blocks=5)
+    assert len(index) == 6  # blocks 0, 1, 2, 4 (whole's last), 5, 7 (longer's stride and last)
+    assert index.match(longer, now=2) == {A: 8}
+    assert index.match(longer, now=10) == {A: 8}
+    assert index.match(longer, now=10.5) == {}  # the head's claims, from 0, expired
+
+
 def test_remove_node_forgets_its_claims_only() -> None:
     index = PrefixIndex(capacity_blocks=100, ttl_s=60)
     index.insert(chain(0, 1), A, now=0)
