@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -325,6 +326,7 @@ def run_once(
         wrk_cpu = _children_cpu_s() - wrk_cpu0  # wrk is the only child waited for meanwhile
         throttled1 = share.throttled() if share is not None else (0, 0.0)
         routing = nodes.routing()
+        relay = asyncio.run(_relay(agent.url)) if workers > 1 else None
     finally:
         ao.stop_all([agent])
         if share is not None:
@@ -349,6 +351,15 @@ def run_once(
         "core_share": args.core_share,
         "throttled_periods": throttled1[0] - throttled0[0],
         "throttled_s": throttled1[1] - throttled0[1],
+        # the prefix relay over the agent's life (warm-up included): the records written, and
+        # those a sibling lost (a share of records sent times siblings; the relay of 64984aa
+        # and before counted lost datagrams, of one or more records each)
+        "relay": relay,
+        "relay_lost_pct": (
+            100 * relay["lost"] / (relay["sent"] * (workers - 1))
+            if relay is not None and relay["sent"]
+            else None
+        ),
     }
 
 
@@ -356,6 +367,21 @@ def _children_cpu_s() -> float:
     """CPU seconds of this process's children that have ended and been waited for."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+async def _relay(url: str) -> dict[str, float]:
+    """The prefix relay's counts from the agent's ``/metrics`` (every worker's): records sent,
+    received, and lost (any cause)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    out = {"sent": 0.0, "received": 0.0, "lost": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "meridian_agent_prefix_relay_records_total":
+                out[sample.labels["direction"]] += sample.value
+            elif sample.name.startswith("meridian_agent_prefix_relay_lost_"):
+                out["lost"] += sample.value
+    return out
 
 
 async def _wait(url: str, model: str) -> None:
@@ -390,6 +416,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "routing": med("routing"),
                 "latency_p99_ms": med("latency_p99_ms"),
                 "throttled_s": med("throttled_s"),
+                "relay_lost_pct": med("relay_lost_pct"),
                 "errors": sum(r["errors"] for r in rows),
             }
         )
@@ -406,9 +433,9 @@ def table(summary: Sequence[dict[str, Any]], measure: str, *, throttled: bool = 
 
     lines = [
         "| workers | agent cores | requests/s | of one worker's | CPU per request, µs "
-        f"| agent cores busy | wrk + nodes cores busy | {measure} | p99 ms | errors |"
-        + (" quota throttled, s (all workers) |" if throttled else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if throttled else ""),
+        f"| agent cores busy | wrk + nodes cores busy | {measure} | p99 ms | errors "
+        "| prefix records lost, % |" + (" quota throttled, s (all workers) |" if throttled else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if throttled else ""),
     ]
     for s in summary:
         cores = ",".join(str(c) for c in s["agent_cpus"])
@@ -420,7 +447,8 @@ def table(summary: Sequence[dict[str, Any]], measure: str, *, throttled: bool = 
             f"| {rng(s['cpu_us_per_request'], ',.0f')} "
             f"| {rng(s['cores_busy'], '.2f')} | {rng(s['load_cores_busy'], '.2f')} "
             f"| {rng(s['routing'], '.3f')} "
-            f"| {rng(s['latency_p99_ms'], '.1f')} | {s['errors']} |"
+            f"| {rng(s['latency_p99_ms'], '.1f')} | {s['errors']} "
+            f"| {rng(s.get('relay_lost_pct'), '.1f')} |"
             + (f" {rng(s['throttled_s'], '.2f')} |" if throttled else "")
         )
     return lines
@@ -670,6 +698,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{nodes.measure} "
                         f"{'-' if routing is None else format(routing, '.3f')}, "
                         f"errors {row['errors']}"
+                        + (
+                            f", prefix records lost {row['relay_lost_pct']:.1f} %"
+                            if row["relay_lost_pct"] is not None
+                            else ""
+                        )
                         + (
                             f", throttled {row['throttled_periods']} periods "
                             f"({row['throttled_s']:.2f} s)"

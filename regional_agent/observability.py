@@ -34,9 +34,9 @@ a node of the pool serves it, else ``other``: a name a client makes up never bec
 - ``meridian_agent_nodes{source}``: nodes in the pool by who added them (``static``, ``admin``,
   ``autoscaler``, ``dns:<name>``);
 - ``meridian_agent_prefix_relay_records_total{direction}`` and
-  ``meridian_agent_prefix_relay_lost_datagrams_total{cause}``: with ``--workers``, the prompts
-  a worker told its siblings and was told (``sent``, ``received``), and the datagrams lost
-  (``dropped``, ``malformed``);
+  ``meridian_agent_prefix_relay_lost_records_total{cause}``: with ``--workers``, the prompts
+  a worker told its siblings and was told (``sent``, ``received``), and the siblings' records it
+  lost (``overrun``, ``malformed``);
 - ``meridian_agent_discovery_failures_total{source, cause}``: DNS discovery's resolutions that
   failed (``timeout``, ``servfail``, ``refused``, ``error``) or came back empty (``nxdomain``,
   ``nodata``); the nodes found last stay (regional_agent.discovery).
@@ -488,7 +488,7 @@ class Instruments:
 
     def watch_prefix_relay(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """With several workers, the prefix relay's (``workers.siblings.PrefixRelay.counts``):
-        records sent and received, datagrams lost."""
+        records sent and received, siblings' records lost."""
         meter = self._meters.get_meter("meridian.agent.workers")
 
         def records_cb(_: CallbackOptions) -> Iterable[Observation]:
@@ -497,7 +497,7 @@ class Instruments:
 
         def lost_cb(_: CallbackOptions) -> Iterable[Observation]:
             now = counts()
-            return [Observation(now[c], {"cause": c}) for c in ("dropped", "malformed")]
+            return [Observation(now[c], {"cause": c}) for c in ("overrun", "malformed")]
 
         meter.create_observable_counter(
             "meridian_agent_prefix_relay_records",
@@ -506,10 +506,10 @@ class Instruments:
             "received from them (--workers).",
         )
         meter.create_observable_counter(
-            "meridian_agent_prefix_relay_lost_datagrams",
+            "meridian_agent_prefix_relay_lost_records",
             callbacks=[lost_cb],
-            description="Prefix-record datagrams lost: dropped (a sibling did not take one: "
-            "restarting, or its buffer full), malformed (received, not decoded).",
+            description="Siblings' prefix records this worker lost: overrun (it read a "
+            "sibling's ring too late, the records written over), malformed (read, not decoded).",
         )
 
     def watch_kv_events(

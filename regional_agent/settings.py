@@ -1432,9 +1432,8 @@ class WorkersSettings(_Group):
         le=1,
         description="while requests wait in a worker's queue, how often it reads its siblings' "
         "in-flight and prefill counts and wakes the queue when a sibling freed a slot (every "
-        "0.1 s while none waits; its decisions read the counts themselves); and how long it "
-        "batches the prompts it routed before sending them to its siblings (the most their "
-        "prefix indexes are behind)",
+        "0.1 s while none waits; its decisions read the counts, and the prompts its siblings "
+        "routed, themselves)",
     )
     table_slots: int = Field(
         1024,

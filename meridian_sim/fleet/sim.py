@@ -27,8 +27,8 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
   ``prefill_tokens`` are summed over them, so ``slots`` caps the node's requests from all of
   them; every routed prompt is observed by every worker's policy; and a request goes to a worker
   by a hash of its index, not its session, as the kernel spreads connections.  The sharing is
-  instant here (the agent's workers read each other's counts every
-  ``workers.share_interval_s``, 2 ms, and get prefix records a loop turn later).
+  instant here, as it nearly is in the agent, whose workers read each other's counts and
+  prefix records at every decision.
 - **The central queue**, one per agent, as ``regional_agent.queue.dispatcher``: a request is
   routed when it arrives if nobody waits ahead of it; otherwise, or when the policy finds no
   free slot, it waits, first come first served (traces carry one priority class), until a slot

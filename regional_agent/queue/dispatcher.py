@@ -123,6 +123,8 @@ class Dispatcher:
         # with several workers: tells the siblings where a prompt went, and how many of its
         # leading blocks the policy matched there (workers.siblings)
         self.on_routed: Callable[[NodeId, tuple[int, ...], int], None] | None = None
+        # with several workers: takes in where the siblings sent prompts, before a decision
+        self.before_choosing: Callable[[], None] | None = None
         # with several workers: where they sent new prompts moments ago (_with_claims)
         self.claims: PrefixClaims | None = None
         # with several workers: a request now waits for a slot (the share loop's fast pace)
@@ -291,6 +293,8 @@ class Dispatcher:
         enqueued_s: float,
         views: Sequence[NodeView],
     ) -> Lease | None:
+        if self.before_choosing is not None:
+            self.before_choosing()
         now = self._clock.now()
         for _ in range(_CHOICES):
             if exclude:  # a retry: a plain list, which every policy scores in full

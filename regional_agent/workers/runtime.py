@@ -5,8 +5,8 @@
   every decision and every ``workers.share_interval_s``, which also wakes its queue when a
   sibling freed a slot;
 - its routed prompts go to the siblings' prefix indexes and theirs come into its own
-  (:class:`~regional_agent.workers.siblings.PrefixRelay`), batched every
-  ``workers.share_interval_s`` too;
+  (:class:`~regional_agent.workers.siblings.PrefixRelay`: rings in shared memory, read before
+  every decision and at every turn of the share loop);
 - an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
   sibling too, over their Unix sockets, before it answers;
 - its ``/metrics`` is every worker's, each sample labelled ``worker``;
@@ -45,7 +45,7 @@ from regional_agent.nodes import NodePool
 from regional_agent.queue import Dispatcher
 from regional_agent.upstream import sibling_call
 from regional_agent.workers.shared import LoadShare, LoadTable
-from regional_agent.workers.siblings import PrefixRelay
+from regional_agent.workers.siblings import PrefixRelay, PrefixRings
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Worker:
     count: int
     directory: Path  # the workers' private directory (mode 0700): their sockets, the slot lock
     table: LoadTable
+    rings: PrefixRings  # the prefix records' (workers.siblings)
     secret: str  # sibling to sibling, in place of the admin token (module docstring)
     restarted: bool = False  # started again after it died: it catches up from a sibling
     ready_fd: int | None = None  # written once this worker listens
@@ -114,22 +115,18 @@ class WorkerRuntime:
         )
         pool.shared = self.share
         self.relay = PrefixRelay(
-            directory=worker.directory,
-            worker=worker.index,
-            workers=worker.count,
-            on_record=self._record,
-            flush_after_s=share_interval_s,
+            worker.rings, worker=worker.index, on_record=self._record, clock=clock.now
         )
         dispatcher.on_routed = self.relay.send
+        dispatcher.before_choosing = self.relay.take
         dispatcher.claims = self.share
         self._admin_lock = AsyncFileLock(worker.directory / "admin.lock")
 
     def start(self) -> None:
-        """Bind the prefix socket; the app's Unix socket of this worker's last life goes, so
-        that :meth:`listening` sees when this life's is up."""
+        """The app's Unix socket of this worker's last life goes, so that :meth:`listening`
+        sees when this life's is up."""
         with contextlib.suppress(FileNotFoundError):
             self.worker.http_socket(self.worker.index).unlink()
-        self.relay.start()
 
     async def listening(self, timeout_s: float = 30.0) -> bool:
         """Wait until this worker serves its siblings (its Unix socket exists)."""
@@ -143,7 +140,9 @@ class WorkerRuntime:
         return True
 
     def close(self) -> None:
-        self.relay.close()
+        """No more prefix records, written or read."""
+        self._dispatcher.on_routed = None
+        self._dispatcher.before_choosing = None
 
     async def share_loop(self) -> None:
         """Read the siblings' counts (which wakes the queue where a sibling freed a slot), and
@@ -164,6 +163,7 @@ class WorkerRuntime:
                         async with asyncio.timeout(IDLE_SHARE_S):
                             await queued.wait()
                 self._pool.siblings_moved()
+                self.relay.take()  # so that an idle worker does not fall a ring behind
                 self.share.post_demand(*self._dispatcher.demand())
         finally:
             self._dispatcher.on_queued = None

@@ -1,56 +1,69 @@
-"""What a worker tells its siblings: where it sent each prompt (the prefix index's record), as
-datagrams on Unix sockets in the workers' private directory.
+"""What a worker tells its siblings: where it sent each prompt (the prefix index's record), in
+rings in one anonymous shared mapping that the supervisor makes before it forks the workers.
 
-Each worker binds ``w<i>.prefix``; a routed request's block hashes and node go to every sibling,
-batched: the records of ``flush_after_s`` (the runtime passes ``workers.share_interval_s``, 2 ms)
-leave as one datagram per sibling, so a sibling's index is at most that far behind, as its load
-counts are (at most ``MAX_DATAGRAM`` bytes each, a fuller batch leaving at once; a longer
-prompt's record keeps its leading ``MAX_HASHES`` blocks).  Batching by time rather than by
-event-loop turn keeps the syscalls and the siblings' wake-ups to a few hundred a second
-whatever the request rate.
-A sibling inserts them into its own policy's prefix index, as if
-it had routed the request, so N workers keep the hit rate of one.  Sending never blocks: a
-sibling that is restarting, or whose socket buffer is full, misses the record (counted in
-``dropped``); the index is a hint, and the next request of that prefix teaches it again.
+Each worker appends a routed request's record (its node and block hashes) to its own ring, at
+once: a memory copy, no system call.  A worker reads its siblings' rings before each of its
+decisions (``Dispatcher.before_choosing``) and at each turn of its share loop (at least every
+``runtime.IDLE_SHARE_S``, so an idle worker does not fall a ring behind), and inserts their
+records into its own policy's prefix index, as if it had routed the requests, so N workers keep
+the hit rate of one.  A decision therefore sees every record its siblings wrote before it
+began.  Nothing wakes a worker for its siblings' records, and nothing is lost to a worker that
+is busy or preempted for a while: the ring holds ``RING_BYTES`` (1 MiB: about 4,000 records of
+a 400-token prompt, far more of those that leave their head out).
+
+Until 2026-12-05 the records went as datagrams on Unix sockets, batched every 2 ms: each batch
+woke every sibling, and a sibling's receive queue (``net.unix.max_dgram_qlen``, often 10
+datagrams) overflowed whenever its loop stalled for a few milliseconds (about 1 % of them lost
+with 8 workers on a fifth of a core each; none from the rings there, at a CPU cost a request
+that did not differ measurably: docs/benchmarks.md, "Workers").
 
 Most prompts start with a head the region has seen (a system prompt, a conversation's earlier
-turns).  Every sibling decodes and inserts every record, so with N workers a prompt's head would
-cost N - 1 inserts of every block; for 8 workers that was a fifth of their CPU.  So a record
-leaves its head out (only the tail's blocks, from block ``start``) when the head is the part of
-the prompt this worker's policy matched on the node (``Decision.expected_hit_tokens``) and this
-worker sent that head to that node whole less than ``FULL_EVERY_S`` ago.  The siblings' claims
-on the head are then at most that much older than on the tail, which the index allows
-(``policies.prefix_index``); a sibling that missed the whole record learns the head within
-``FULL_EVERY_S``.
+turns).  Every sibling decodes and inserts every record, so with N workers a prompt's head
+would cost N - 1 inserts of every block; 8 workers spent a fifth of their CPU on the relay,
+most of it taking the siblings' records in.  So a
+record leaves its head out (only the tail's blocks, from block ``start``) when the head is the
+part of the prompt this worker's policy matched on the node (``Decision.expected_hit_tokens``)
+and this worker wrote that head for that node whole less than ``full_every_s`` (1 s) ago.  The
+siblings' claims on the head are then at most that much older than on the tail, which the
+index allows (``policies.prefix_index``).
 
-Wire format, per record: ``u16`` node id length, ``u32`` first block, ``u32`` hash count, the
-node id (UTF-8), the hashes (``u64``, native order: the datagram never leaves the host).
+A ring is ``RING_BYTES`` of frames, each a ``u32`` length and a record; a frame that does not
+fit before the ring's end is written at its start, after a wrap mark (``u32`` all ones) where
+four bytes are left.  Three ``int64`` cells per worker, at the mapping's start: the bytes it
+has written, ever (its *head*: a frame's position is the head modulo ``RING_BYTES``), its
+records, and how far it may be writing (*reserved*).  The writer stores the reservation first,
+then the frame, then the head; a reader copies the frames from its own cursor up to the head it
+read, then reads the reservation: if it is more than a ring ahead of the cursor, the writer may
+have written over some of what was copied, so the copy is dropped and counted ``overrun``, with
+the records it missed, and the reader goes on from the head.  x86-64 keeps the writer's stores
+and the reader's loads in order; arm64 need not, so there a reader may rarely decode a frame
+read while written, which is counted ``malformed`` (the index is a hint: the next request of
+that prefix teaches it again).  A worker started again goes on from its last life's head and
+reads from its siblings' heads as they are.
+
+Record format: ``u16`` node id length, ``u32`` first block, ``u32`` hash count, the node id
+(UTF-8), the hashes (``u64``, native order: the mapping never leaves the host).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import math
-import socket
+import mmap
 import struct
 from array import array
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-log = logging.getLogger(__name__)
-
-MAX_DATAGRAM = 60_000
-FULL_EVERY_S = 1.0  # a prompt head is sent whole to the siblings at least this often, per node
-_TOLD_KEPT = 16_384  # (node, head) pairs sent whole that are remembered at most
+RING_BYTES = 1 << 20  # each worker's ring
+MAX_RECORD = 60_000  # bytes; a longer prompt's record keeps its leading blocks
+FULL_EVERY_S = 1.0  # a prompt head is written whole at least this often, per node
+_TOLD_KEPT = 16_384  # (node, head) pairs written whole that are remembered at most
 _HEAD = struct.Struct("=HII")
+_FRAME = struct.Struct("=I")
+_WRAP = 0xFFFFFFFF  # "the next frame is at the ring's start"
 _HASH_BYTES = array("Q").itemsize
-MAX_HASHES = (MAX_DATAGRAM - _HEAD.size - 1024) // _HASH_BYTES  # a record fits one datagram
-
-
-def prefix_socket(directory: Path, worker: int) -> Path:
-    return directory / f"w{worker}.prefix"
+MAX_HASHES = (MAX_RECORD - _HEAD.size - 1024) // _HASH_BYTES  # with a node id of 1 KiB
+_MAX_FRAME = _FRAME.size + MAX_RECORD
+_CELLS = 3  # per worker: head, records, reserved
 
 
 def encode(node_id: str, hashes: Sequence[int], start: int = 0) -> bytes:
@@ -60,105 +73,96 @@ def encode(node_id: str, hashes: Sequence[int], start: int = 0) -> bytes:
     return _HEAD.pack(len(name), start, len(hashes)) + name + array("Q", hashes).tobytes()
 
 
-def decode(datagram: bytes) -> list[tuple[str, int, tuple[int, ...]]]:
-    """The records of one datagram, each its node, first block and hashes; raises
-    ``ValueError`` for a malformed one."""
-    out = []
-    view = memoryview(datagram)
+def decode(record: bytes | memoryview) -> tuple[str, int, tuple[int, ...]]:
+    """One record's node, first block and hashes; raises ``ValueError`` for a malformed one."""
+    view = memoryview(record)
     size = len(view)
-    at = 0
-    while at < size:
-        if at + _HEAD.size > size:
-            raise ValueError("a truncated record head")
-        name_len, start, count = _HEAD.unpack_from(view, at)
-        at += _HEAD.size
-        end = at + name_len + count * _HASH_BYTES
-        if end > size:
-            raise ValueError("a truncated record")
-        name = str(view[at : at + name_len], "utf-8")
-        # the hashes read in place (a cast view reads unaligned items with memcpy), then copied
-        out.append((name, start, tuple(view[at + name_len : end].cast("Q"))))
-        at = end
-    return out
+    if size < _HEAD.size:
+        raise ValueError("a truncated record head")
+    name_len, start, count = _HEAD.unpack_from(view)
+    at = _HEAD.size
+    end = at + name_len + count * _HASH_BYTES
+    if end != size:
+        raise ValueError("a truncated record" if end > size else "bytes past a record's end")
+    name = str(view[at : at + name_len], "utf-8")
+    # the hashes read in place (a cast view reads unaligned items with memcpy), then copied
+    return name, start, tuple(view[at + name_len : end].cast("Q"))
+
+
+class PrefixRings:
+    """The mapping: made once, before the workers fork, and inherited by each."""
+
+    def __init__(self, *, workers: int, ring_bytes: int = RING_BYTES) -> None:
+        if workers < 1:
+            raise ValueError("prefix rings need at least one worker")
+        if ring_bytes < 2 * _MAX_FRAME:  # a wrap may leave up to a frame's length unused
+            raise ValueError(f"a prefix ring needs at least {2 * _MAX_FRAME} bytes")
+        self.workers = workers
+        self.ring_bytes = ring_bytes
+        self.data_at = 8 * _CELLS * workers  # after the cells
+        self._map = mmap.mmap(-1, self.data_at + workers * ring_bytes)  # anonymous, MAP_SHARED
+        # per worker: head, records, reserved (module docstring)
+        self.cells = memoryview(self._map)[: self.data_at].cast("q")
+        self.data = memoryview(self._map)
+
+    def ring_at(self, worker: int) -> int:
+        """Where ``worker``'s ring starts in :attr:`data`."""
+        return self.data_at + worker * self.ring_bytes
 
 
 class PrefixRelay:
-    """Sends this worker's prefix records to its siblings and hands theirs to ``on_record``."""
+    """Writes this worker's prefix records to its ring and hands its siblings' to ``on_record``
+    (module docstring)."""
 
     def __init__(
         self,
+        rings: PrefixRings,
         *,
-        directory: Path,
         worker: int,
-        workers: int,
         on_record: Callable[[str, int, tuple[int, ...]], None],
-        flush_after_s: float = 0.002,
+        clock: Callable[[], float],
         full_every_s: float = FULL_EVERY_S,
     ) -> None:
-        self._directory = directory
-        self._flush_after_s = flush_after_s
-        self._full_every_s = full_every_s
+        self._rings = rings
         self._worker = worker
-        self._siblings = [prefix_socket(directory, w) for w in range(workers) if w != worker]
+        self._siblings = [w for w in range(rings.workers) if w != worker]
         self._on_record = on_record
-        self._socket: socket.socket | None = None
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._timer: asyncio.TimerHandle | None = None  # the pending batch's flush
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._told: dict[tuple[str, int], float] = {}  # (node, a head's last hash): sent whole
-        self.sent = 0  # records sent (to each sibling)
+        self._clock = clock
+        self._full_every_s = full_every_s
+        cells = rings.cells
+        # where this worker has read each sibling's ring to, and that ring's records up to there
+        self._cursors = [cells[_CELLS * w] for w in range(rings.workers)]
+        self._seen = [cells[_CELLS * w + 1] for w in range(rings.workers)]
+        self._told: dict[tuple[str, int], float] = {}  # (node, a head's last hash): written whole
+        self.sent = 0  # records written (for every sibling)
         self.tails = 0  # of them, records that left their head out
-        self.datagrams = 0  # batches sent (to each sibling)
         self.received = 0
-        self.dropped = 0  # datagrams a sibling did not take (restarting, or its buffer full)
+        self.overrun = 0  # records a sibling wrote that this worker read too late to take
         self.malformed = 0
 
     def counts(self) -> dict[str, int]:
-        """Records sent (each to every sibling) and received, and the datagrams a sibling did
-        not take (``dropped``) or that came malformed: the metrics'
-        (``Instruments.watch_prefix_relay``)."""
+        """Records written (each for every sibling) and taken in, and those lost (``overrun``,
+        ``malformed``): the metrics' (``Instruments.watch_prefix_relay``)."""
         return {
             "sent": self.sent,
             "received": self.received,
-            "dropped": self.dropped,
+            "overrun": self.overrun,
             "malformed": self.malformed,
         }
 
-    def start(self) -> None:
-        """Bind this worker's socket and read it on the running loop."""
-        path = prefix_socket(self._directory, self._worker)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # the socket of this worker's previous life
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(str(path))
-        self._socket = sock
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), self._readable)
-
-    def close(self) -> None:
-        """Send the pending batch, then close the socket."""
-        self._flush()
-        if self._socket is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._socket.fileno())
-            self._socket.close()
-            self._socket = None
-
     def send(self, node_id: str, hashes: Sequence[int], matched: int = 0) -> None:
-        """Tell the siblings ``node_id`` was sent a prompt of these block hashes (batched for
-        ``flush_after_s``), of which this worker's policy matched the leading ``matched`` on it:
-        those are left out when this worker sent them to that node whole less than
-        ``full_every_s`` ago (module docstring).  A prompt of more than ``MAX_HASHES`` blocks
-        (7,371: 118k tokens of 16) sends its leading ones."""
-        if self._socket is None or not self._siblings or not hashes or self._loop is None:
+        """Tell the siblings ``node_id`` was sent a prompt of these block hashes, of which this
+        worker's policy matched the leading ``matched`` on it: those are left out when this
+        worker wrote them for that node whole less than ``full_every_s`` ago (module
+        docstring).  A prompt of more than ``MAX_HASHES`` blocks (7,371: 118k tokens of 16)
+        sends its leading ones."""
+        if not self._siblings or not hashes:
             return
         start = 0
         if matched > 0:
             told = self._told
             key = (node_id, hashes[min(matched, len(hashes)) - 1])
-            now = self._loop.time()
+            now = self._clock()
             if now - told.get(key, -math.inf) < self._full_every_s:
                 start = matched
             else:
@@ -166,7 +170,7 @@ class PrefixRelay:
                     fresh = now - self._full_every_s
                     told = self._told = {k: t for k, t in told.items() if t > fresh}
                     if len(told) >= _TOLD_KEPT // 2:
-                        told.clear()  # then some are sent whole again, sooner
+                        told.clear()  # then some are written whole again, sooner
                 told[key] = now
         end = min(len(hashes), MAX_HASHES)  # the leading blocks: what a prefix match reads first
         if start >= end:
@@ -175,48 +179,81 @@ class PrefixRelay:
             record = encode(node_id, hashes[start:end], start)
         except OverflowError:
             return  # not a 64-bit hash: nothing a sibling's index could match
+        if len(record) > MAX_RECORD:
+            return  # a node id of over 1 KiB: no node's
+        self._append(record)
+        self.sent += 1
         if start:
             self.tails += 1
-        if self._pending_bytes + len(record) > MAX_DATAGRAM:
-            self._flush()  # a full batch leaves now, and its timer goes with it
-        self._pending.append(record)
-        self._pending_bytes += len(record)
-        self.sent += 1
-        if self._timer is None and self._loop is not None:
-            self._timer = self._loop.call_later(self._flush_after_s, self._flush)
 
-    def _flush(self) -> None:
-        """Send the pending batch; at most one timer is ever pending, so batches leave at most
-        once per ``flush_after_s`` besides the full ones."""
-        if self._timer is not None:
-            self._timer.cancel()  # a no-op when it is the timer that runs this
-            self._timer = None
-        if not self._pending or self._socket is None:
-            return
-        datagram = b"".join(self._pending)
-        self._pending.clear()
-        self._pending_bytes = 0
-        self.datagrams += 1
-        for sibling in self._siblings:
-            try:
-                self._socket.sendto(datagram, str(sibling))
-            except OSError:  # restarting (no socket, refused) or busy (buffer full)
-                self.dropped += 1
+    def _append(self, record: bytes) -> None:
+        rings, w = self._rings, self._worker
+        cells, size, at = rings.cells, rings.ring_bytes, _CELLS * w
+        head = cells[at]
+        pos = head % size
+        need = _FRAME.size + len(record)
+        wrap = size - pos < need  # not before the ring's end: at its start
+        end = head + (size - pos if wrap else 0) + need
+        cells[at + 2] = end  # first: what a reader copies past a ring before it may be torn
+        if wrap:
+            if size - pos >= _FRAME.size:
+                _FRAME.pack_into(rings.data, rings.ring_at(w) + pos, _WRAP)
+            pos = 0
+        frame = rings.ring_at(w) + pos
+        _FRAME.pack_into(rings.data, frame, len(record))
+        rings.data[frame + _FRAME.size : frame + need] = record
+        cells[at + 1] += 1
+        cells[at] = end  # last: a reader reads up to it
 
-    def _readable(self) -> None:
-        sock = self._socket
-        if sock is None:
+    def take(self) -> None:
+        """Hand the records the siblings wrote since the last take to ``on_record``."""
+        cells, cursors = self._rings.cells, self._cursors
+        for w in self._siblings:
+            head = cells[_CELLS * w]
+            if head != cursors[w]:
+                self._take(w, head)
+
+    def _take(self, w: int, head: int) -> None:
+        rings = self._rings
+        cells, data, size = rings.cells, rings.data, rings.ring_bytes
+        base = rings.ring_at(w)
+        cursor = self._cursors[w]
+        records: list[bytes] = []
+        malformed = False
+        if head - cursor <= size:  # else it wrote over some of them already
+            at = cursor
+            while at < head:
+                pos = at % size
+                if size - pos < _FRAME.size:
+                    at += size - pos
+                    continue
+                (length,) = _FRAME.unpack_from(data, base + pos)
+                if length == _WRAP:
+                    at += size - pos
+                    continue
+                if length > size - pos - _FRAME.size or at + _FRAME.size + length > head:
+                    malformed = True  # a frame read while written (module docstring)
+                    break
+                start = base + pos + _FRAME.size
+                records.append(bytes(data[start : start + length]))
+                at += _FRAME.size + length
+        reserved = cells[_CELLS * w + 2]  # after the copy (module docstring)
+        now_head, written = cells[_CELLS * w], cells[_CELLS * w + 1]
+        if reserved > cursor + size:  # it may have written over what was copied
+            self.overrun += max(0, written - self._seen[w])
+            self._cursors[w], self._seen[w] = now_head, written
             return
-        for _ in range(64):  # then let the loop serve others; the reader fires again
+        self._cursors[w] = head
+        if malformed:
+            self.malformed += 1
+            self._cursors[w], self._seen[w] = now_head, written
+        else:
+            self._seen[w] += len(records)
+        for record in records:
             try:
-                datagram = sock.recv(MAX_DATAGRAM + 1024)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                records = decode(datagram)
+                node_id, start, hashes = decode(record)
             except (ValueError, UnicodeDecodeError):
                 self.malformed += 1
                 continue
-            for node_id, start, hashes in records:
-                self.received += 1
-                self._on_record(node_id, start, hashes)
+            self.received += 1
+            self._on_record(node_id, start, hashes)

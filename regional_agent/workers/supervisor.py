@@ -38,6 +38,7 @@ from pathlib import Path
 
 from regional_agent.workers.runtime import Worker
 from regional_agent.workers.shared import LoadTable
+from regional_agent.workers.siblings import PrefixRings
 
 log = logging.getLogger("meridian.agent.workers")
 
@@ -88,6 +89,7 @@ def run(
             count=count,
             port=reserved.getsockname()[1],
             table=LoadTable(workers=count, slots=table_slots),
+            rings=PrefixRings(workers=count),
             start_worker=start_worker,
             reserved=reserved,
         )
@@ -103,12 +105,14 @@ class _Supervisor:
         count: int,
         port: int,
         table: LoadTable,
+        rings: PrefixRings,
         start_worker: Callable[[Worker, int], int],
         reserved: socket.socket,
     ) -> None:
         self.count = count
         self.port = port
         self.table = table
+        self.rings = rings
         self.start_worker = start_worker
         self.reserved = reserved  # the port's socket; the children close their copy
         self.directory = Path(tempfile.mkdtemp(prefix="meridian-agent-"))  # mode 0700
@@ -220,6 +224,7 @@ class _Supervisor:
                 count=self.count,
                 directory=self.directory,
                 table=self.table,
+                rings=self.rings,
                 secret=self.secret,
                 restarted=index in self.started,
                 ready_fd=self.ready_w,

@@ -45,7 +45,13 @@ from regional_agent.tenants import new_key
 from regional_agent.workers import shared
 from regional_agent.workers.runtime import IDLE_SHARE_S, Worker, WorkerRuntime
 from regional_agent.workers.shared import RING, SCAN_EVERY_S, LoadShare, LoadTable
-from regional_agent.workers.siblings import MAX_HASHES, PrefixRelay, decode, encode
+from regional_agent.workers.siblings import (
+    MAX_HASHES,
+    PrefixRelay,
+    PrefixRings,
+    decode,
+    encode,
+)
 from tests.agent import publishing
 from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
 from tests.conftest import NodeFactory
@@ -373,13 +379,16 @@ async def test_the_share_loop_keeps_its_fast_pace_for_requests_waiting_for_a_slo
     (docs/benchmarks.md, Workers): while nothing waits here it runs every ``IDLE_SHARE_S``, and
     at ``share_interval_s`` from the moment a request waits for a slot, which a sibling frees."""
     table = LoadTable(workers=2, slots=16)
+    rings = PrefixRings(workers=2)
     node = NodeId("http://a:8000")
 
     def runtime(index: int) -> WorkerRuntime:
         pool = NodePool()
         pool.add(Node(node_id=node, url=node, slots=1, models=frozenset({MODEL})))
         dispatcher = _dispatcher(pool, index)
-        worker = Worker(index=index, count=2, directory=tmp_path, table=table, secret="s")
+        worker = Worker(
+            index=index, count=2, directory=tmp_path, table=table, rings=rings, secret="s"
+        )
         return WorkerRuntime(
             worker,
             pool=pool,
@@ -486,111 +495,134 @@ def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
 
 
 @given(
-    st.lists(
-        st.tuples(
-            st.text(min_size=1, max_size=40),
-            st.integers(min_value=0, max_value=2**32 - 1),
-            st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=50),
-        ),
-        max_size=8,
-    )
+    st.text(min_size=1, max_size=40),
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=50),
 )
-def test_prefix_records_survive_the_wire(records: list[tuple[str, int, list[int]]]) -> None:
-    datagram = b"".join(encode(node, hashes, start) for node, start, hashes in records)
-    assert decode(datagram) == [(node, start, tuple(hashes)) for node, start, hashes in records]
+def test_prefix_records_survive_the_ring(node: str, start: int, hashes: list[int]) -> None:
+    assert decode(encode(node, hashes, start)) == (node, start, tuple(hashes))
 
 
-def test_a_truncated_prefix_datagram_is_refused() -> None:
+def test_a_truncated_or_overlong_prefix_record_is_refused() -> None:
     whole = encode("http://a:8000", [1, 2, 3])
     for cut in (1, 7, len(whole) - 1):
         with pytest.raises(ValueError, match="truncated"):
             decode(whole[:cut])
+    with pytest.raises(ValueError, match="past a record's end"):
+        decode(whole + b"\0")
     with pytest.raises(OverflowError):
         encode("http://a:8000", [2**64])
 
 
-async def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_head(
-    tmp_path: Path,
-) -> None:
-    got: dict[int, list[tuple[str, tuple[int, ...]]]] = {1: [], 2: []}
-    relays = [
+def _relays(
+    rings: PrefixRings, got: dict[int, list[tuple[str, int, tuple[int, ...]]]], **kw: Any
+) -> list[PrefixRelay]:
+    """A relay for each worker of ``rings``; what worker w takes in lands in ``got[w]``."""
+    return [
         PrefixRelay(
-            directory=tmp_path,
+            rings,
             worker=w,
-            workers=3,
-            on_record=lambda node, _, hashes, w=w: got.setdefault(w, []).append((node, hashes)),
+            on_record=lambda node, start, hashes, w=w: got.setdefault(w, []).append(
+                (node, start, hashes)
+            ),
+            clock=time.monotonic,
+            **kw,
         )
-        for w in range(3)
+        for w in range(rings.workers)
     ]
-    for relay in relays:
-        relay.start()
-    try:
-        relays[0].send("http://a:8000", list(range(5)))
-        relays[0].send("http://b:8000", list(range(MAX_HASHES + 500)))
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if all(len(got[w]) == 2 for w in (1, 2)):
-                break
-    finally:
-        for relay in relays:
-            relay.close()
+
+
+def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_head() -> None:
+    got: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+    relays = _relays(PrefixRings(workers=3), got)
+    relays[0].send("http://a:8000", list(range(5)))
+    relays[0].send("http://b:8000", list(range(MAX_HASHES + 500)))
+    relays[1].take()
+    relays[0].take()  # nothing of its own
+    relays[2].take()
+    relays[2].take()  # nothing new
     for w in (1, 2):
         assert got[w] == [
-            ("http://a:8000", (0, 1, 2, 3, 4)),
-            ("http://b:8000", tuple(range(MAX_HASHES))),
+            ("http://a:8000", 0, (0, 1, 2, 3, 4)),
+            ("http://b:8000", 0, tuple(range(MAX_HASHES))),
         ]
-    assert relays[0].dropped == 0 and relays[1].malformed == 0
+    assert 0 not in got
+    assert relays[2].counts() == {"sent": 0, "received": 2, "overrun": 0, "malformed": 0}
 
 
-async def test_a_record_leaves_out_the_head_its_sender_sent_that_node_whole_moments_ago(
-    tmp_path: Path,
-) -> None:
+def test_a_ring_wraps_and_a_reader_a_ring_behind_counts_what_it_lost() -> None:
+    """Records of every size cross the ring's end intact; a worker that reads a sibling's ring
+    only after it was written over loses those records, counts them, and takes the next."""
+    rings = PrefixRings(workers=2, ring_bytes=130_000)  # the least: two frames of the longest
+    got: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+    writer, reader = _relays(rings, got)
+    rng = random.Random(7)
+    sent = []
+    for i in range(400):  # about 11 times round the ring, read as it goes
+        count = rng.choice((1, 30, 900, MAX_HASHES))
+        hashes = tuple(rng.getrandbits(64) for _ in range(count))
+        writer.send(f"http://n{i % 3}:8000", hashes)
+        sent.append((f"http://n{i % 3}:8000", 0, hashes))
+        if count > 30 or rng.random() < 0.5:  # a reader may lag a ring less the longest frame
+            reader.take()
+    reader.take()
+    assert got[1] == sent and reader.overrun == 0 and reader.malformed == 0
+    for i in range(40):  # 40 records of 27 KiB: about 8 rings
+        writer.send("http://a:8000", tuple(range(i, i + 3400)))
+    writer.send("http://a:8000", (1, 2, 3))
+    reader.take()
+    assert reader.overrun == 41 and got[1][len(sent) :] == []  # the last, too: one read
+    writer.send("http://a:8000", (4, 5))
+    reader.take()
+    assert got[1][len(sent) :] == [("http://a:8000", 0, (4, 5))]
+    assert reader.counts() == {"sent": 0, "received": 401, "overrun": 41, "malformed": 0}
+
+
+def test_a_forked_worker_reads_the_records_its_sibling_writes() -> None:
+    """The rings are a shared mapping made before the fork, as the supervisor makes them."""
+    rings = PrefixRings(workers=2)
+    got: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+    parent = _relays(rings, got)[0]
+
+    def child() -> None:
+        _relays(rings, {})[1].send("http://a:8000", (7, 8, 9))
+
+    _in_child(child)
+    parent.take()
+    assert got[0] == [("http://a:8000", 0, (7, 8, 9))]
+
+
+def test_a_record_leaves_out_the_head_its_sender_sent_that_node_whole_moments_ago() -> None:
     """A prompt's head (the blocks the sender's policy matched on the node) goes whole to the
-    siblings once per ``full_every_s`` per node; in between, records carry only the tail, and
-    a sibling's index learns the whole prompt from them as from whole records."""
-    full_every_s = 0.3
-    got: list[tuple[str, int, tuple[int, ...]]] = []
-    relays = [
+    siblings once per ``full_every_s`` per node; in between, records carry only the tail."""
+    now = [0.0]
+    got: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+    rings = PrefixRings(workers=2)
+    sender, receiver = (
         PrefixRelay(
-            directory=tmp_path,
+            rings,
             worker=w,
-            workers=2,
-            on_record=lambda node, start, hashes: got.append((node, start, hashes)),
-            flush_after_s=0.001,
-            full_every_s=full_every_s,
+            on_record=lambda node, start, hashes, w=w: got.setdefault(w, []).append(
+                (node, start, hashes)
+            ),
+            clock=lambda: now[0],
+            full_every_s=1.0,
         )
         for w in range(2)
-    ]
-    for relay in relays:
-        relay.start()
-    sender = relays[0]
+    )
     head = tuple(range(1, 25))
     a, b = "http://a:8000", "http://b:8000"
-    loop = asyncio.get_running_loop()
-
-    async def received(count: int) -> None:
-        for _ in range(100):
-            if len(got) >= count:
-                return
-            await asyncio.sleep(0.01)
-
-    try:
-        sender.send(a, (*head, 100))  # a new prompt: nothing matched
-        sender.send(a, (*head, 101), 24)  # its head matched on a, not yet sent whole as one
-        sent_whole = loop.time()
-        sender.send(a, (*head, 102), 24)  # now it was: the tail alone
-        sender.send(a, (*head, 103, 104), 24)
-        sender.send(b, (*head, 105), 24)  # another node: whole
-        sender.send(a, head, 24)  # the head alone, matched and told: nothing to tell
-        await received(5)
-        assert loop.time() - sent_whole < full_every_s  # else the test proves nothing
-        await asyncio.sleep(full_every_s)
-        sender.send(a, (*head, 106), 24)  # told long enough ago: whole again
-        await received(6)
-    finally:
-        for relay in relays:
-            relay.close()
-    assert got == [
+    sender.send(a, (*head, 100))  # a new prompt: nothing matched
+    sender.send(a, (*head, 101), 24)  # its head matched on a, not yet sent whole as one
+    now[0] = 0.9
+    sender.send(a, (*head, 102), 24)  # now it was: the tail alone
+    sender.send(a, (*head, 103, 104), 24)
+    sender.send(b, (*head, 105), 24)  # another node: whole
+    sender.send(a, head, 24)  # the head alone, matched and told: nothing to tell
+    now[0] = 1.0
+    sender.send(a, (*head, 106), 24)  # told 1 s ago: whole again
+    receiver.take()
+    assert got[1] == [
         (a, 0, (*head, 100)),
         (a, 0, (*head, 101)),
         (a, 24, (102,)),
@@ -605,15 +637,19 @@ async def test_a_sibling_learns_whole_prompts_from_records_without_their_head(
     tmp_path: Path,
 ) -> None:
     """Worker 0 routes questions after one system prompt, so most of its records leave the
-    head out; worker 1's policy still matches each whole prompt on the node it went to."""
+    head out; worker 1 takes them in before its next decision, and its policy matches each
+    whole prompt on the node it went to."""
     table = LoadTable(workers=2, slots=16)
+    rings = PrefixRings(workers=2)
     nodes = [NodeId("http://a:8000"), NodeId("http://b:8000")]
 
     def runtime(index: int) -> WorkerRuntime:
         pool = NodePool()
         for node in nodes:
             pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
-        worker = Worker(index=index, count=2, directory=tmp_path, table=table, secret="s")
+        worker = Worker(
+            index=index, count=2, directory=tmp_path, table=table, rings=rings, secret="s"
+        )
         return WorkerRuntime(
             worker,
             pool=pool,
@@ -628,68 +664,24 @@ async def test_a_sibling_learns_whole_prompts_from_records_without_their_head(
         return RequestView(model=MODEL, prompt_tokens=31 * 16, max_tokens=1, block_hashes=hashes)
 
     first, second = runtime(0), runtime(1)
-    first.start()
-    second.start()
-    try:
-        went = []
-        for tail in range(100, 106):
-            lease = await first._dispatcher.acquire(chat(tail), tokens=31 * 16 + 1)
-            went.append(lease.node_id)
-            lease.release()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if second.relay.received == first.relay.sent:
-                break
-    finally:
-        first.close()
-        second.close()
+    went = []
+    for tail in range(100, 106):
+        lease = await first._dispatcher.acquire(chat(tail), tokens=31 * 16 + 1)
+        went.append(lease.node_id)
+        lease.release()
     assert len(set(went)) == 1  # one agent's routing: the prompt stays on its node
     assert first.relay.sent == 6 and first.relay.tails == 4  # the first two whole
+    assert second.relay.received == 0  # nothing taken until it decides
+    lease = await second._dispatcher.acquire(chat(106), tokens=31 * 16 + 1)
+    assert (lease.node_id, lease.decision.expected_hit_tokens) == (went[0], 30 * 16)
+    lease.release()
+    assert second.relay.received == 6
     policy, views = second._dispatcher.policy, second._pool.views(now=0.0)
     for tail in range(100, 106):
         decision = policy.choose(chat(tail), list(views), now=0.0, rng=random.Random(0))
         assert (decision.node, decision.expected_hit_tokens) == (went[0], 31 * 16), tail
-
-
-async def test_a_full_batch_leaves_at_once_and_the_relay_keeps_one_timer(tmp_path: Path) -> None:
-    """Batches leave at most once per ``flush_after_s`` besides the full ones: a full batch that
-    left early takes its timer with it (a stray timer doubled the datagrams for good)."""
-    flush_after_s = 0.02
-    got: list[tuple[str, tuple[int, ...]]] = []
-    relays = [
-        PrefixRelay(
-            directory=tmp_path,
-            worker=w,
-            workers=2,
-            on_record=lambda node, _, hashes: got.append((node, hashes)),
-            flush_after_s=flush_after_s,
-        )
-        for w in range(2)
-    ]
-    for relay in relays:
-        relay.start()
-    sender = relays[0]
-    try:
-        sender.send("http://b:8000", [1, 2, 3])  # a batch starts: its timer runs
-        await asyncio.sleep(flush_after_s / 2)  # half way through it,
-        for i in range(4):  # records of nearly a datagram each: every send fills a batch
-            sender.send("http://a:8000", list(range(i, i + MAX_HASHES)))
-        assert sender.datagrams == 3  # the first big one joins the small one
-        loop = asyncio.get_running_loop()
-        start, before = loop.time(), sender.datagrams
-        while loop.time() - start < 0.3:  # then a steady trickle of small records
-            sender.send("http://b:8000", [1, 2, 3])
-            await asyncio.sleep(0.001)
-        elapsed, steady = loop.time() - start, sender.datagrams - before
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if len(got) == sender.sent:
-                break
-    finally:
-        for relay in relays:
-            relay.close()
-    assert steady <= elapsed / flush_after_s + 2, (steady, elapsed)
-    assert len(got) == sender.sent and relays[1].malformed == 0
+    first.close()
+    assert first._dispatcher.on_routed is None and first._dispatcher.before_choosing is None
 
 
 def test_a_forked_process_makes_request_ids_of_its_own() -> None:
@@ -936,6 +928,7 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
             *(_chat(client, agent.url, f"hello {i} " + "and more " * 40) for i in range(40))
         )  # a prompt of whole blocks: its record goes to the sibling
     assert [r.status_code for r in replies] == [200] * 40
+    await asyncio.sleep(0.3)  # the share loops' turns: each worker takes in the other's records
     ids = [r.headers["X-Request-ID"] for r in replies]
     assert len(set(ids)) == 40, "two workers gave one request id to two requests"
     metrics = await _metrics(agent.url)
@@ -948,10 +941,10 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
     relayed = metrics["meridian_agent_prefix_relay_records_total"]
     sent = sum(v for labels, v in relayed if labels["direction"] == "sent")
     received = sum(v for labels, v in relayed if labels["direction"] == "received")
-    assert sent == 40  # every routed prompt, to the one sibling
-    assert 0 < received <= sent  # a batch may still be on its way (2 ms)
-    lost = metrics["meridian_agent_prefix_relay_lost_datagrams_total"]
-    assert {labels["cause"] for labels, _ in lost} == {"dropped", "malformed"}
+    assert sent == 40  # every routed prompt, for the one sibling
+    assert received == sent  # taken in at a decision, or at the share loop's turn (0.1 s)
+    lost = metrics["meridian_agent_prefix_relay_lost_records_total"]
+    assert {labels["cause"] for labels, _ in lost} == {"overrun", "malformed"}
     assert sum(v for _, v in lost) == 0
 
 
