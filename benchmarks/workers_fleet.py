@@ -80,6 +80,9 @@ def plot(rows: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
     import router_cpu as rc
 
     plt = rc._pyplot()
+
+    if plt is None:
+        return
     sizes = sorted({int(r["nodes"]) for r in rows})
     names = sorted({label(r) for r in rows}, key=_rank)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

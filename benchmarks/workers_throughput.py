@@ -463,6 +463,8 @@ def plot(
     one_core: bool = False,
 ) -> None:
     plt = rc._pyplot()
+    if plt is None:
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [s["workers"] for s in summary]
     if one_core:  # the throughput cannot grow: what each worker more costs a request
@@ -589,6 +591,8 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
     )
     print("\n".join(lines))
     plt = rc._pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([str(r["workers"]) for r in summary], [r["cpu_ms_per_s"]["median"] for r in summary])
     ax.set_xlabel("workers")
