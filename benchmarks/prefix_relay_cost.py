@@ -7,8 +7,8 @@ head the siblings were told of a moment before save?
 
 Set-up: the agent's own classes, one process, no quota: ``PrefixRings`` for 8 workers, 7
 writers (``PrefixRelay.send``) and one reader (``PrefixRelay.take``) whose records go into a
-``meridian`` policy the way ``WorkerRuntime._record`` puts them (head stand-ins, then
-``observe_routed`` with ``known_blocks``).  Prompts as in ``workers_throughput.py``: one of 8
+``meridian`` policy the way ``WorkerRuntime._records`` puts them (all a take read, in one
+``observe_relayed``).  Prompts as in ``workers_throughput.py``: one of 8
 system prompts of 24 blocks and 2 blocks of their own, sent to one of 2 nodes.  Two kinds of
 record: ``whole`` (nothing matched: 26 blocks) and ``tail`` (the 24-block head matched on the
 node and written whole a moment before: 2 blocks).  Each stage is timed over ``--records``
@@ -40,8 +40,8 @@ import agent_overhead as ao
 import router_cpu as rc
 
 from policies import routing
-from policies.model import NodeId, RequestView
-from regional_agent.workers.siblings import PrefixRelay, PrefixRings
+from policies.model import NodeId
+from regional_agent.workers.siblings import PrefixRelay, PrefixRings, Record
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -54,21 +54,19 @@ def measure(kind: str, records: int, seed: int) -> dict[str, float]:
     rings = PrefixRings(workers=SIBLINGS + 1)
     clock = time.monotonic
     writers = [
-        PrefixRelay(rings, worker=w, on_record=lambda *_: None, clock=clock)
+        PrefixRelay(rings, worker=w, on_records=lambda _: None, clock=clock)
         for w in range(1, SIBLINGS + 1)
     ]
     policy = routing.create("meridian", routing.RoutingConfig())
     inserting = [0.0]
 
-    def record(node: str, start: int, hashes: tuple[int, ...]) -> None:  # WorkerRuntime._record
+    def take_in(records: list[Record]) -> None:  # WorkerRuntime._records (every node known)
         t0 = time.perf_counter()
-        if start:
-            hashes = (0,) * start + hashes
-        request = RequestView(model="", prompt_tokens=0, max_tokens=0, block_hashes=hashes)
-        policy.observe_routed(request, NodeId(node), now=clock(), known_blocks=start)
+        tails = [(NodeId(node), first, hashes) for node, first, hashes in records]
+        policy.observe_relayed(tails, now=clock())
         inserting[0] += time.perf_counter() - t0
 
-    reader = PrefixRelay(rings, worker=0, on_record=record, clock=clock)
+    reader = PrefixRelay(rings, worker=0, on_records=take_in, clock=clock)
     rng = random.Random(seed)
     heads = [tuple(rng.getrandbits(64) for _ in range(HEAD)) for _ in range(HEADS)]
     matched = HEAD if kind == "tail" else 0
@@ -120,6 +118,8 @@ def table(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = rc._pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     workers = [2, 4, 8]
     width = 0.38

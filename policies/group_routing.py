@@ -30,6 +30,7 @@ from typing import Final, Protocol
 from policies import groups, routing
 from policies.groups import GroupId, Kind, Range, Table
 from policies.model import Decision, NodeId, NodeView, RequestView
+from policies.prefix_index import Tail
 
 NAME: Final = "groups"
 KINDS: Final[tuple[Kind, ...]] = ("prefix", "session")
@@ -153,9 +154,10 @@ class GroupPolicy:
             reason=f"groups: {kind} bucket {bucket} -> {grp} ({choice.reason}); {member.reason}",
         )
 
-    def observe_routed(
-        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        return None
+
+    def observe_relayed(self, tails: Sequence[Tail], *, now: float) -> None:
         return None
 
     def forget_node(self, node: NodeId) -> None:

@@ -38,8 +38,9 @@ The hashes must chain (as :func:`policies.prompt.block_hashes` makes them): :met
 where holders drop out by bisection, which is exact only because a chained block is held with
 every block before it.
 
-An insert may leave a prompt's leading blocks out (``known_blocks``: a sibling worker said so
-moments ago, and said the whole prompt at most a second before; ``regional_agent.workers``).
+An insert may leave a prompt's leading blocks out (:meth:`PrefixIndex.insert_tails`: a sibling
+worker said where the prompt went moments ago, and said its head at most a second before;
+``regional_agent.workers``).
 Their claims then stay up to that long older than the tail's, and may expire (or be evicted,
 which takes the least recently touched first) before it.  A match then finds less of the prompt
 on the node (none of it, once block 0's claim has gone), or, where a shallower block's claim is
@@ -55,7 +56,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Final
 
 from policies.model import NodeId
@@ -71,6 +72,8 @@ _FLOORS_KEPT: Final = 4096  # floors kept at most (then forgotten, to be found a
 # nodes that hold a prompt's leading blocks to one depth: the depth, and the nodes (iterated in
 # the answer's order; ``in`` answers whether a node is one of them)
 Run = tuple[int, Collection[NodeId]]
+# a prompt sent to a node: the node, its first block given, the hashes from that block on
+Tail = tuple[NodeId, int, Sequence[int]]
 
 
 class PrefixIndex:
@@ -144,33 +147,41 @@ class PrefixIndex:
             positions = self._by_length[length] = tuple(found)
         return positions
 
-    def insert(
-        self, hashes: Sequence[int], node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
+    def insert(self, hashes: Sequence[int], node: NodeId, *, now: float) -> None:
         """Record that ``node`` holds the prompt whose chained block hashes are ``hashes``.
 
         Only the first ``capacity_blocks`` indexed blocks are kept: a longer prompt cannot fit
         anyway, and its head is what other prompts share.  A claim is stamped with the latest
         ``now`` given to the index so far (here or to :meth:`match`), so a clock that steps
         back cannot make a block look older than the blocks after it (:meth:`match` relies on
-        that).  The leading ``known_blocks`` are left as they are, and their hashes not read
-        (module docstring).
+        that).
         """
+        self.insert_tails(((node, 0, hashes),), now=now)
+
+    def insert_tails(self, tails: Iterable[Tail], *, now: float) -> None:
+        """:meth:`insert` each ``(node, first, hashes)``: a prompt whose blocks from ``first`` on
+        are ``hashes`` went to ``node``; its leading ``first`` blocks are left as they are (the
+        module docstring says what that may do to a match).  Cheaper than an insert a prompt
+        (one clock check, one bound and expiry pass): a worker takes its siblings' records in
+        so, several at a time."""
         if now < self._latest:
             now = self._latest
         self._latest = now
         entries = self._entries
-        positions = self._positions(len(hashes))[: self._capacity_blocks]
-        if known_blocks > 0:
-            positions = positions[bisect.bisect_left(positions, known_blocks) :]
-        for h in reversed([hashes[i] for i in positions]):
-            holders = entries.get(h)
-            if holders is None:
-                entries[h] = {node: now}
-            else:
-                holders[node] = now
-                entries.move_to_end(h)
-        while len(entries) > self._capacity_blocks:
+        capacity = self._capacity_blocks
+        for node, first, hashes in tails:
+            positions = self._positions(first + len(hashes))[:capacity]
+            if first > 0:
+                positions = positions[bisect.bisect_left(positions, first) :]
+            for i in reversed(positions):
+                h = hashes[i - first]
+                holders = entries.get(h)
+                if holders is None:
+                    entries[h] = {node: now}
+                else:
+                    holders[node] = now
+                    entries.move_to_end(h)
+        while len(entries) > capacity:
             entries.popitem(last=False)
         self._expire(now)
 

@@ -60,7 +60,7 @@ from typing import Final, Protocol
 
 from policies.kv_index import PreciseIndex
 from policies.model import Decision, Health, NodeId, NodeView, NodeViews, RequestView
-from policies.prefix_index import PrefixIndex, Run
+from policies.prefix_index import PrefixIndex, Run, Tail
 
 NAMES: Final[tuple[str, ...]] = (
     "round_robin",
@@ -229,13 +229,14 @@ class Policy(Protocol):
         """The node for ``request`` among ``nodes``, or ``node=None`` with the reason."""
         ...
 
-    def observe_routed(
-        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
-        """``request`` was sent to ``node`` (feeds the prefix index).  ``known_blocks``: the
-        prompt's leading blocks the policy was told went to ``node`` moments ago (a sibling
-        worker's earlier record, ``PrefixIndex.insert``); their hashes in ``request`` are not
-        read."""
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        """``request`` was sent to ``node`` (feeds the prefix index)."""
+        ...
+
+    def observe_relayed(self, tails: Sequence[Tail], *, now: float) -> None:
+        """Prompts another worker of this agent sent, each ``(node, first, hashes)``: the
+        prompt's block hashes from block ``first`` on (``PrefixIndex.insert_tails``; the
+        blocks before went to the node moments ago, and the policy was told so then)."""
         ...
 
     def forget_node(self, node: NodeId) -> None:
@@ -426,9 +427,10 @@ class _Base:
     ) -> Decision:
         raise NotImplementedError
 
-    def observe_routed(
-        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        return None
+
+    def observe_relayed(self, tails: Sequence[Tail], *, now: float) -> None:
         return None
 
     def forget_node(self, node: NodeId) -> None:
@@ -744,12 +746,15 @@ class _Indexed(_Base):
                 dense_head_blocks=self._config.prefix_dense_head_blocks,
             )
 
-    def observe_routed(
-        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
-        self._index.insert(request.block_hashes, node, now=now, known_blocks=known_blocks)
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
+        self._index.insert(request.block_hashes, node, now=now)
         if self._pending is not None:
-            self._pending.insert(request.block_hashes, node, now=now, known_blocks=known_blocks)
+            self._pending.insert(request.block_hashes, node, now=now)
+
+    def observe_relayed(self, tails: Sequence[Tail], *, now: float) -> None:
+        self._index.insert_tails(tails, now=now)
+        if self._pending is not None:
+            self._pending.insert_tails(tails, now=now)
 
     def forget_node(self, node: NodeId) -> None:
         self._index.remove_node(node)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from policies import routing
 from policies.model import NodeId, NodeView, RequestView
+from policies.prefix_index import Tail
 
 CachedBlocks = Callable[[NodeId, RequestView], int]
 """Leading blocks of ``request.block_hashes`` that ``node`` holds in its KV cache now."""
@@ -30,10 +31,11 @@ class Oracle(routing._Meridian):
         super().__init__(dataclasses.replace(config, meridian_candidates=0))
         self._cached_blocks = cached_blocks
 
-    def observe_routed(
-        self, request: RequestView, node: NodeId, *, now: float, known_blocks: int = 0
-    ) -> None:
+    def observe_routed(self, request: RequestView, node: NodeId, *, now: float) -> None:
         return None  # it needs no index: it reads the caches
+
+    def observe_relayed(self, tails: Sequence[Tail], *, now: float) -> None:
+        return None
 
     def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:
         if not request.block_hashes:

@@ -40,12 +40,12 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_service.clock import Clock
-from policies.model import NodeId, RequestView
+from policies.model import NodeId
 from regional_agent.nodes import NodePool
 from regional_agent.queue import Dispatcher
 from regional_agent.upstream import sibling_call
 from regional_agent.workers.shared import LoadShare, LoadTable
-from regional_agent.workers.siblings import PrefixRelay, PrefixRings
+from regional_agent.workers.siblings import PrefixRelay, PrefixRings, Record
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class WorkerRuntime:
         )
         pool.shared = self.share
         self.relay = PrefixRelay(
-            worker.rings, worker=worker.index, on_record=self._record, clock=clock.now
+            worker.rings, worker=worker.index, on_records=self._records, clock=clock.now
         )
         dispatcher.on_routed = self.relay.send
         dispatcher.before_choosing = self.relay.take
@@ -173,17 +173,13 @@ class WorkerRuntime:
         autoscaler of the worker that acts reads the load of all of them."""
         return self.share.demand(*self._dispatcher.demand())
 
-    def _record(self, node_id: str, start: int, hashes: tuple[int, ...]) -> None:
-        """A sibling sent a prompt to ``node_id``, of ``hashes`` from block ``start`` on (it
-        said the blocks before, whole, moments ago): this worker's index learns it."""
-        if node_id not in self._pool:
-            return
-        if start:
-            hashes = (0,) * start + hashes  # stand-ins for the head, which the index does not read
-        request = RequestView(model="", prompt_tokens=0, max_tokens=0, block_hashes=hashes)
-        self._dispatcher.policy.observe_routed(
-            request, NodeId(node_id), now=self._clock.now(), known_blocks=start
-        )
+    def _records(self, records: list[Record]) -> None:
+        """Siblings sent prompts to these nodes, each of its hashes from its first block on
+        (they said the blocks before, whole, moments ago): this worker's index learns them."""
+        pool = self._pool
+        tails = [(NodeId(node), first, hashes) for node, first, hashes in records if node in pool]
+        if tails:
+            self._dispatcher.policy.observe_relayed(tails, now=self._clock.now())
 
     # -- the admin API and metrics, for every worker ------------------------------------------
 

@@ -64,6 +64,8 @@ _HASH_BYTES = array("Q").itemsize
 MAX_HASHES = (MAX_RECORD - _HEAD.size - 1024) // _HASH_BYTES  # with a node id of 1 KiB
 _MAX_FRAME = _FRAME.size + MAX_RECORD
 _CELLS = 3  # per worker: head, records, reserved
+# a record read: the node, the first block it gives, the hashes from there (``decode``)
+Record = tuple[str, int, tuple[int, ...]]
 
 
 def encode(node_id: str, hashes: Sequence[int], start: int = 0) -> bytes:
@@ -73,20 +75,22 @@ def encode(node_id: str, hashes: Sequence[int], start: int = 0) -> bytes:
     return _HEAD.pack(len(name), start, len(hashes)) + name + array("Q", hashes).tobytes()
 
 
-def decode(record: bytes | memoryview) -> tuple[str, int, tuple[int, ...]]:
-    """One record's node, first block and hashes; raises ``ValueError`` for a malformed one."""
-    view = memoryview(record)
-    size = len(view)
-    if size < _HEAD.size:
+def decode(data: bytes | memoryview, at: int = 0, length: int | None = None) -> Record:
+    """The record of ``length`` bytes (default: to the end) at ``at`` in ``data``, read in place:
+    its node, first block and hashes; raises ``ValueError`` for a malformed one."""
+    view = memoryview(data)
+    end = len(view) if length is None else at + length
+    if end - at < _HEAD.size:
         raise ValueError("a truncated record head")
-    name_len, start, count = _HEAD.unpack_from(view)
-    at = _HEAD.size
-    end = at + name_len + count * _HASH_BYTES
-    if end != size:
-        raise ValueError("a truncated record" if end > size else "bytes past a record's end")
-    name = str(view[at : at + name_len], "utf-8")
+    name_len, start, count = _HEAD.unpack_from(view, at)
+    name_at = at + _HEAD.size
+    hashes_at = name_at + name_len
+    last = hashes_at + count * _HASH_BYTES
+    if last != end:
+        raise ValueError("a truncated record" if last > end else "bytes past a record's end")
+    name = str(view[name_at:hashes_at], "utf-8")
     # the hashes read in place (a cast view reads unaligned items with memcpy), then copied
-    return name, start, tuple(view[at + name_len : end].cast("Q"))
+    return name, start, tuple(view[hashes_at:end].cast("Q"))
 
 
 class PrefixRings:
@@ -111,7 +115,7 @@ class PrefixRings:
 
 
 class PrefixRelay:
-    """Writes this worker's prefix records to its ring and hands its siblings' to ``on_record``
+    """Writes this worker's prefix records to its ring and hands its siblings' to ``on_records``
     (module docstring)."""
 
     def __init__(
@@ -119,14 +123,14 @@ class PrefixRelay:
         rings: PrefixRings,
         *,
         worker: int,
-        on_record: Callable[[str, int, tuple[int, ...]], None],
+        on_records: Callable[[list[Record]], None],
         clock: Callable[[], float],
         full_every_s: float = FULL_EVERY_S,
     ) -> None:
         self._rings = rings
         self._worker = worker
         self._siblings = [w for w in range(rings.workers) if w != worker]
-        self._on_record = on_record
+        self._on_records = on_records
         self._clock = clock
         self._full_every_s = full_every_s
         cells = rings.cells
@@ -206,20 +210,28 @@ class PrefixRelay:
         cells[at] = end  # last: a reader reads up to it
 
     def take(self) -> None:
-        """Hand the records the siblings wrote since the last take to ``on_record``."""
+        """Hand the records the siblings wrote since the last take to ``on_records``, all at
+        once (none: not called)."""
         cells, cursors = self._rings.cells, self._cursors
+        records: list[Record] = []
         for w in self._siblings:
             head = cells[_CELLS * w]
             if head != cursors[w]:
-                self._take(w, head)
+                self._take(w, head, records)
+        if records:
+            self.received += len(records)
+            self._on_records(records)
 
-    def _take(self, w: int, head: int) -> None:
+    def _take(self, w: int, head: int, out: list[Record]) -> None:
+        """Decode sibling ``w``'s records from this worker's cursor up to ``head`` in place,
+        then keep them (in ``out``) unless the writer may have written over them meanwhile."""
         rings = self._rings
         cells, data, size = rings.cells, rings.data, rings.ring_bytes
         base = rings.ring_at(w)
         cursor = self._cursors[w]
-        records: list[bytes] = []
-        malformed = False
+        records: list[Record] = []
+        malformed = 0
+        torn = False
         if head - cursor <= size:  # else it wrote over some of them already
             at = cursor
             while at < head:
@@ -232,28 +244,25 @@ class PrefixRelay:
                     at += size - pos
                     continue
                 if length > size - pos - _FRAME.size or at + _FRAME.size + length > head:
-                    malformed = True  # a frame read while written (module docstring)
+                    torn = True  # a frame read while written (module docstring)
                     break
-                start = base + pos + _FRAME.size
-                records.append(bytes(data[start : start + length]))
+                frame = base + pos + _FRAME.size
                 at += _FRAME.size + length
-        reserved = cells[_CELLS * w + 2]  # after the copy (module docstring)
+                try:
+                    records.append(decode(data, frame, length))
+                except (ValueError, UnicodeDecodeError):
+                    malformed += 1
+        reserved = cells[_CELLS * w + 2]  # after the reads (module docstring)
         now_head, written = cells[_CELLS * w], cells[_CELLS * w + 1]
-        if reserved > cursor + size:  # it may have written over what was copied
+        if reserved > cursor + size:  # it may have written over what was read
             self.overrun += max(0, written - self._seen[w])
             self._cursors[w], self._seen[w] = now_head, written
             return
         self._cursors[w] = head
-        if malformed:
+        self.malformed += malformed
+        if torn:
             self.malformed += 1
             self._cursors[w], self._seen[w] = now_head, written
         else:
-            self._seen[w] += len(records)
-        for record in records:
-            try:
-                node_id, start, hashes = decode(record)
-            except (ValueError, UnicodeDecodeError):
-                self.malformed += 1
-                continue
-            self.received += 1
-            self._on_record(node_id, start, hashes)
+            self._seen[w] += len(records) + malformed
+        out += records

@@ -522,9 +522,7 @@ def _relays(
         PrefixRelay(
             rings,
             worker=w,
-            on_record=lambda node, start, hashes, w=w: got.setdefault(w, []).append(
-                (node, start, hashes)
-            ),
+            on_records=lambda records, w=w: got.setdefault(w, []).extend(records),
             clock=time.monotonic,
             **kw,
         )
@@ -602,9 +600,7 @@ def test_a_record_leaves_out_the_head_its_sender_sent_that_node_whole_moments_ag
         PrefixRelay(
             rings,
             worker=w,
-            on_record=lambda node, start, hashes, w=w: got.setdefault(w, []).append(
-                (node, start, hashes)
-            ),
+            on_records=lambda records, w=w: got.setdefault(w, []).extend(records),
             clock=lambda: now[0],
             full_every_s=1.0,
         )

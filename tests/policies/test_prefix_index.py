@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from collections.abc import Sequence
 from unittest import mock
 
@@ -102,7 +103,7 @@ def test_insert_refreshes_the_claim_and_expires_old_entries() -> None:
     assert len(index) == 3
 
 
-def test_an_insert_with_known_blocks_stamps_only_the_blocks_past_them() -> None:
+def test_a_tail_insert_stamps_only_the_blocks_past_its_first() -> None:
     """A sibling worker's record of a prompt whose head it sent whole moments ago: the head's
     hashes are not read (stand-ins here), its claims keep their time, and the whole prompt
     matches; once the head's claims expire, the node holds none of it, though the tail's claims
@@ -111,11 +112,35 @@ def test_an_insert_with_known_blocks_stamps_only_the_blocks_past_them() -> None:
     whole = chain(0, 1, 2, 3, 4)
     index.insert(whole, A, now=0)
     longer = chain(0, 1, 2, 3, 4, 5, 6, 7)
-    index.insert((0,) * 5 + longer[5:], A, now=1, known_blocks=5)
+    index.insert_tails([(A, 5, longer[5:])], now=1)
     assert len(index) == 6  # blocks 0, 1, 2, 4 (whole's last), 5, 7 (longer's stride and last)
     assert index.match(longer, now=2) == {A: 8}
     assert index.match(longer, now=10) == {A: 8}
     assert index.match(longer, now=10.5) == {}  # the head's claims, from 0, expired
+
+
+def test_tails_inserted_together_match_as_prompts_inserted_one_by_one() -> None:
+    """What a worker takes in from its siblings in one go (``insert_tails``) leaves the index
+    as the same prompts inserted one at a time would, heads left out or not."""
+    rng = random.Random(3)
+    heads = [[rng.randrange(1 << 30) for _ in range(6)] for _ in range(3)]
+    prompts = [
+        (rng.choice((A, B, C)), chain(*rng.choice(heads), *(rng.randrange(9) for _ in range(3))))
+        for _ in range(40)
+    ]
+    together = PrefixIndex(capacity_blocks=1000, ttl_s=10, stride_blocks=2, dense_head_blocks=3)
+    alone = PrefixIndex(capacity_blocks=1000, ttl_s=10, stride_blocks=2, dense_head_blocks=3)
+    for node in (A, B, C):  # every head sent whole to every node first
+        for head in heads:
+            together.insert(chain(*head), node, now=0)
+            alone.insert(chain(*head), node, now=0)
+    tails = [(node, i % 2 * 6, sent[i % 2 * 6 :]) for i, (node, sent) in enumerate(prompts)]
+    together.insert_tails(tails, now=1)
+    for node, sent in prompts:
+        alone.insert(sent, node, now=1)
+    for _, sent in prompts:
+        assert together.match(sent, now=2) == alone.match(sent, now=2)
+    assert len(together) == len(alone)
 
 
 def test_remove_node_forgets_its_claims_only() -> None:
