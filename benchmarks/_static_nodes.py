@@ -16,8 +16,9 @@ one nginx process (one worker process, pinned where the caller says), answering:
 Each node logs the ``X-Request-ID`` of every request it answered, one per line, to
 ``node<i>.log`` in the run directory (buffered; :meth:`StaticNodes.take_logs` flushes them).
 The agent forwards the client's id, so a load generator that puts a label in the id learns
-where each request went.  Scrapes of ``/metrics`` go to ``node<i>.scrapes`` instead, unbuffered
-(:meth:`StaticNodes.scrapes` counts them).
+where each request went.  Scrapes of ``/metrics`` go to ``node<i>.scrapes`` instead, and health
+probes to ``node<i>.probes``, unbuffered (:meth:`StaticNodes.scrapes` and
+:meth:`StaticNodes.probes` count them).
 
 Needs ``nginx`` (Debian: ``apt-get install nginx-light``).
 """
@@ -54,7 +55,7 @@ _SERVER = """
   server {{
     listen 127.0.0.1:{port};
     access_log {dir}/node{i}.log ids buffer=256k flush=1s;
-    location = /health {{ return 200; }}
+    location = /health {{ access_log {dir}/node{i}.probes scrapes; return 200; }}
     location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
     location = /metrics {{
       access_log {dir}/node{i}.scrapes scrapes;
@@ -162,6 +163,15 @@ class StaticNodes:
         out = []
         for i in range(len(self.urls)):
             path = self.dir / f"node{i}.scrapes"
+            out.append(len(path.read_text().split()) if path.exists() else 0)
+        return out
+
+    def probes(self) -> list[int]:
+        """How many times each node has answered ``/health`` since the start (as
+        :meth:`scrapes`)."""
+        out = []
+        for i in range(len(self.urls)):
+            path = self.dir / f"node{i}.probes"
             out.append(len(path.read_text().split()) if path.exists() else 0)
         return out
 

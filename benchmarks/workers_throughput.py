@@ -26,8 +26,9 @@ has 2 s of warm-up first (not counted); repeats are interleaved, each going once
 N in an order rotated per repeat; the table gives medians (and the range).
 
 ``--idle`` sends no traffic: the agent's CPU a second (every process) with N workers doing
-nothing but their timers, and how often each node served its ``/metrics`` page meanwhile (the
-static nodes' scrape log), written to workers_idle.json, .md and .png.
+nothing but their timers, and how often each node served its ``/metrics`` page and answered a
+health probe meanwhile (the static nodes' scrape and probe logs), written to workers_idle.json,
+.md and .png.
 
 ``--one-core`` pins every worker to the last core instead: the throughput cannot grow, and the
 CPU per request against one worker's is what the sharing costs (the prefix records each worker
@@ -204,6 +205,10 @@ class Static:
     def scrapes(self) -> list[int]:
         """How many times each node has served its ``/metrics`` page since the start."""
         return self._nodes.scrapes()
+
+    def probes(self) -> list[int]:
+        """How many times each node has answered ``/health`` since the start."""
+        return self._nodes.probes()
 
     def stop(self) -> None:
         self._nodes.stop()
@@ -527,10 +532,11 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
                         asyncio.run(_wait(agent.url, model))
                         time.sleep(2.0)
                         cpu0, t0 = po.tree_cpu_s(agent.proc.pid), time.perf_counter()
-                        scrapes0 = nodes.scrapes()
+                        scrapes0, probes0 = nodes.scrapes(), nodes.probes()
                         time.sleep(args.duration_s)
                         cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
                         scrapes = sum(nodes.scrapes()) - sum(scrapes0)
+                        probes = sum(nodes.probes()) - sum(probes0)
                         elapsed = time.perf_counter() - t0
                     finally:
                         ao.stop_all([agent])
@@ -540,12 +546,14 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
                         "cpu_ms_per_s": cpu / elapsed * 1e3,
                         # what the agent costs the nodes: /metrics renders per node a second
                         "node_scrapes_per_s": scrapes / len(nodes.urls) / elapsed,
+                        "node_probes_per_s": probes / len(nodes.urls) / elapsed,  # /health
                     }
                     runs.append(row)
                     log(
                         f"repeat {rep + 1}/{args.repeats} workers {workers}: idle, "
                         f"{row['cpu_ms_per_s']:.1f} ms of CPU a second, each node scraped "
-                        f"{row['node_scrapes_per_s']:.2f} times a second"
+                        f"{row['node_scrapes_per_s']:.2f} and probed "
+                        f"{row['node_probes_per_s']:.2f} times a second"
                     )
         finally:
             nodes.stop()
@@ -557,7 +565,7 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
                 "workers": workers,
                 **{
                     key: _spread([r[key] for r in rows])
-                    for key in ("cpu_ms_per_s", "node_scrapes_per_s")
+                    for key in ("cpu_ms_per_s", "node_scrapes_per_s", "node_probes_per_s")
                 },
             }
         )
@@ -569,14 +577,14 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
     )
     lines = [
         "| workers | agent CPU, ms a second (all processes) | per worker "
-        "| scrapes of each node a second |",
-        "|---|---|---|---|",
+        "| scrapes of each node a second | probes of each node a second |",
+        "|---|---|---|---|---|",
     ]
     for entry in summary:
-        c, n = entry["cpu_ms_per_s"], entry["node_scrapes_per_s"]
+        c, n, p = entry["cpu_ms_per_s"], entry["node_scrapes_per_s"], entry["node_probes_per_s"]
         lines.append(
             f"| {entry['workers']} | {c['median']:.1f} ({c['min']:.1f} to {c['max']:.1f}) "
-            f"| {c['median'] / entry['workers']:.1f} | {n['median']:.2f} |"
+            f"| {c['median'] / entry['workers']:.1f} | {n['median']:.2f} | {p['median']:.2f} |"
         )
     result = {
         "benchmark": "workers_throughput --idle",

@@ -195,6 +195,7 @@ def create_app(
         )
         instruments.watch_prefix_relay(runtime.relay.counts)
         scraper.share = runtime.share  # one worker scrapes each node for all of them
+        monitor.share = runtime.share  # and probes it for all of them
     request_ids.install_log_ids()
     app = web.Application(
         middlewares=[request_ids.middleware, _errors],

@@ -16,6 +16,17 @@ in ``policies.health``.
   refuses is logged once as well.  :attr:`HealthMonitor.ejections` counts the nodes taken out
   of rotation (healthy or on probation to ejected or unhealthy) by cause, for ``/metrics``.
 
+With several workers (``share``, the workers' shared table), a node is probed by one of them,
+not by each: the worker that owns it (as for its scrapes, ``telemetry.scraper``) probes it and
+publishes the outcome, and every other worker applies, at each of its own rounds, the newest
+published probe it has not applied yet, as if it had sent it (its detail names the worker that
+did).  A worker probes a node it does not own only while the owner has published no probe of
+it for two intervals and a probe's time limit (it died, or hangs), and logs when it starts
+(``health owner silent``) and stops (``health owner back``).  So each node answers about one
+probe an interval whatever the workers (with ``probe_generate``, one generation, not N), and a
+worker that does not own a node learns a probe's outcome up to one of its rounds later than
+the owner.  A worker's own requests' outcomes (:meth:`HealthMonitor.record`) stay its own.
+
 Nodes met before the first probe round has finished are taken as warm (no slow start: a fresh
 agent must not throttle a fleet that has been serving); nodes added later ramp up, unless whoever
 adds one says otherwise (:meth:`HealthMonitor.meet`: DNS discovery's first answer is the fleet
@@ -29,6 +40,7 @@ import collections
 import json
 import logging
 import math
+from typing import Protocol
 
 from meridian_service.clock import Clock
 from policies import health
@@ -41,6 +53,21 @@ from regional_agent.upstream import NodeClient, Timeouts
 log = logging.getLogger(__name__)
 
 _BAD_NEWS = (Health.UNHEALTHY, Health.EJECTED)
+
+
+class SharedProbes(Protocol):
+    """The workers' published probes (``workers.shared.LoadShare``)."""
+
+    @property
+    def worker(self) -> int: ...
+
+    def owns(self, node_id: str) -> bool: ...
+
+    def owner_probed(self, node_id: str) -> float | None: ...
+
+    def publish_probe(self, node_id: str, at_s: float, ok: bool, detail: str) -> None: ...
+
+    def probe(self, node_id: str) -> tuple[float, int, bool, str] | None: ...
 
 
 def config_from(settings: HealthSettings) -> health.HealthConfig:
@@ -74,6 +101,10 @@ class HealthMonitor:
         self._started = False  # True once the first probe round is done
         # nodes taken out of rotation, by cause (errors, probation, latency, probes)
         self.ejections: collections.Counter[str] = collections.Counter()
+        self.share: SharedProbes | None = None  # with several workers (module docstring)
+        self._applied: dict[NodeId, float] = {}  # node -> the sibling's probe applied last
+        self._covering: set[NodeId] = set()  # nodes probed here while their owner is silent
+        self.probes_sent: collections.Counter[NodeId] = collections.Counter()  # this worker's
         self._sync(now=clock.now())
 
     # -- loop ----------------------------------------------------------------------------------
@@ -87,18 +118,71 @@ class HealthMonitor:
             await asyncio.sleep(max(0.0, interval_s - elapsed_s))
 
     async def probe_once(self) -> None:
-        """One round: probe every node concurrently, then apply timed and pool-wide verdicts."""
+        """One round: probe every node concurrently (with workers, those this one probes for
+        all), apply the siblings' probes of the others, then timed and pool-wide verdicts."""
         nodes = list(self._pool)
-        outcomes = await asyncio.gather(*(self._probe(node) for node in nodes))
+        share = self.share
+        mine = [n for n in nodes if share is None or self._probes_itself(share, n.node_id)]
+        outcomes = await asyncio.gather(*(self._probe(node) for node in mine))
         now = self._clock.now()
         self._sync(now=now)
         changes: list[health.Change] = []
-        for node, (ok, detail) in zip(nodes, outcomes, strict=True):
+        for node, (ok, detail) in zip(mine, outcomes, strict=True):
+            self.probes_sent[node.node_id] += 1
+            if share is not None:
+                share.publish_probe(node.node_id, now, ok, detail)
             if node.node_id in self._tracker:  # else removed while its probe was in flight
                 changes += self._tracker.on_probe(node.node_id, ok, now=now, detail=detail)
+        if share is not None:
+            probed = {n.node_id for n in mine}
+            for node in nodes:
+                if node.node_id not in probed and node.node_id in self._tracker:
+                    changes += self._apply_sibling_probe(share, node.node_id, now=now)
         changes += self._tracker.evaluate(now=now)
         self._started = True
         self._apply(changes)
+
+    def _probes_itself(self, share: SharedProbes, node_id: NodeId) -> bool:
+        """This worker owns ``node_id``, or its owner has published no probe of it lately (at
+        the start too, before the owner's first); logs when that starts and stops."""
+        if share.owns(node_id):
+            return True
+        probed_s = share.owner_probed(node_id)
+        if probed_s is None:
+            return True  # at the start, before the owner's first probe
+        settings = self._settings
+        limit_s = settings.probe_timeout_s
+        if settings.probe_generate:
+            limit_s += settings.probe_generate_timeout_s + 1.0
+        silent_s = self._clock.now() - probed_s
+        if silent_s <= 2 * settings.probe_interval_s + limit_s:
+            if node_id in self._covering:
+                self._covering.discard(node_id)
+                log.info("health owner back node=%s: its owner probes it again", node_id)
+            return False
+        if node_id not in self._covering:
+            self._covering.add(node_id)
+            log.warning(
+                "health owner silent node=%s silent_s=%.1f: this worker probes it until the "
+                "owner publishes again",
+                node_id,
+                silent_s,
+            )
+        return True
+
+    def _apply_sibling_probe(
+        self, share: SharedProbes, node_id: NodeId, *, now: float
+    ) -> list[health.Change]:
+        """The newest probe of ``node_id`` a sibling published and this worker has not
+        applied yet, applied as if this worker had sent it."""
+        published = share.probe(node_id)
+        if published is None:
+            return []
+        at_s, worker, ok, detail = published
+        if worker == share.worker or at_s <= self._applied.get(node_id, -math.inf):
+            return []  # its own (sent while it covered), or applied already
+        self._applied[node_id] = at_s
+        return self._tracker.on_probe(node_id, ok, now=now, detail=f"{detail}, probed by w{worker}")
 
     async def _probe(self, node: Node) -> tuple[bool, str]:
         try:
@@ -168,8 +252,10 @@ class HealthMonitor:
         return math.inf if node is None else node.steady_until(now)
 
     def describe(self, node_id: NodeId, *, now: float) -> dict[str, object]:
-        """State, reason, since, ejections, ejected_until, consecutive failures, TTFT stats."""
+        """State, reason, since, ejections, ejected_until, consecutive failures, TTFT stats, and
+        the probes this worker sent the node (with workers, its owner sends them for all)."""
         node = self._known(node_id, now=now)
+        sent = self.probes_sent.get(node_id, 0)
         if node is None:
             return {
                 "state": Health.HEALTHY.value,
@@ -183,11 +269,14 @@ class HealthMonitor:
                 "slow_start": 1.0,
                 "ttft_samples": 0,
                 "ttft_median_s": None,
+                "probes_sent": sent,
             }
-        return node.describe(now)
+        return {**node.describe(now), "probes_sent": sent}
 
     def forget(self, node_id: NodeId) -> None:
         self._tracker.forget(node_id)
+        self._applied.pop(node_id, None)
+        self.probes_sent.pop(node_id, None)
 
     def meet(self, node_id: NodeId, *, warm: bool) -> None:
         """Track a node about to join the pool as warm (full traffic at once) or not (slow
@@ -204,7 +293,7 @@ class HealthMonitor:
         """Track exactly the pool's nodes (a node removed without ``forget`` is dropped)."""
         for tracked in self._tracker:
             if tracked.node_id not in self._pool:
-                self._tracker.forget(tracked.node_id)
+                self.forget(tracked.node_id)
         for node in self._pool:
             self._track(node.node_id, now=now)
 

@@ -12,6 +12,7 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. W * 2]               demand: each worker's queued requests, and its arrivals so far
     [.. W * 2]               exits: how often each worker died killed by a signal, and exiting
     [.. S * SAMPLE_FIELDS]   samples: slot s -> the node's last telemetry, whoever scraped it
+    [.. S * PROBE_FIELDS]    probes: slot s -> the node's last health probe, whoever sent it
 
 No locks on reading the counts: a worker writes only its own cells (aligned 8-byte stores,
 which x86-64 and arm64 never tear), readers sum every worker's cells of a slot.  A read can be
@@ -72,6 +73,13 @@ hangs.  A sample is written as a seqlock: a sequence made odd first, the fields,
 made even last; a reader takes the fields only between two equal even reads of it, so a sample
 read while written is skipped.
 
+Probes spare the nodes a health probe per worker (``health.monitor``) the same way: the node's
+owner probes it every ``health.probe_interval_s`` and publishes the outcome and its detail
+(:meth:`LoadShare.publish_probe`, a seqlock too, the detail cut to ``PROBE_DETAIL_BYTES``);
+the others apply the newest one they have not applied yet at each of their rounds
+(:meth:`LoadShare.probe`), and probe the node themselves only while its owner has published
+none for two intervals and a probe's time limit (:meth:`LoadShare.owner_probed`).
+
 A worker that dies leaves its counts behind; the supervisor zeroes them and its queued requests
 (:meth:`LoadTable.clear_worker`) before it starts the worker again, and counts the death
 (:meth:`LoadTable.count_exit`), which every worker's ``/metrics`` shows for all of them.
@@ -104,6 +112,10 @@ SAMPLE_VALUES = 12  # what a published sample may carry (the scraper says what t
 # a sample: sequence, scraped at (µs of the monotonic clock), the worker that scraped it, when
 # the node's owner last published one (µs), and its values as doubles (NaN: none)
 SAMPLE_FIELDS = 4 + SAMPLE_VALUES
+PROBE_DETAIL_BYTES = 256  # of a probe's detail (UTF-8), kept at most
+# a probe: sequence, sent at (µs of the monotonic clock), the worker that sent it, when the
+# node's owner last published one (µs), good (1) or not (0), the detail's length, the detail
+PROBE_FIELDS = 6 + PROBE_DETAIL_BYTES // 8
 _KEY_MASK = (1 << 63) - 1
 # a claim's value: the key's low 22 bits (a torn entry's value names another key), node slot
 # + 1 (24 bits: workers.table_slots is at most 65,536), worker (16 bits)
@@ -134,10 +146,12 @@ class LoadTable:
         self.demand_at = self.claims_at + CLAIMS * 3
         self.exits_at = self.demand_at + workers * 2
         self.samples_at = self.exits_at + workers * 2
-        size = self.samples_at + slots * SAMPLE_FIELDS
+        self.probes_at = self.samples_at + slots * SAMPLE_FIELDS
+        size = self.probes_at + slots * PROBE_FIELDS
         self._map = mmap.mmap(-1, size * 8)  # anonymous, MAP_SHARED: shared across fork
         self.cells = memoryview(self._map).cast("q")
         self.floats = memoryview(self._map).cast("d")  # the same cells, as doubles
+        self.bytes = memoryview(self._map)  # and as bytes
         self.cells[0] = _MAGIC
 
     def cell(self, slot: int, worker: int) -> int:
@@ -398,6 +412,58 @@ class LoadShare:
         if cells[at] != sequence:
             return None
         return taken_us / 1e6, worker, tuple(None if math.isnan(v) else v for v in raw)
+
+    # -- health probes -------------------------------------------------------------------------
+
+    def publish_probe(self, node_id: str, at_s: float, ok: bool, detail: str) -> None:
+        """This worker probed ``node_id`` at ``at_s`` (the monotonic clock): good or not, and
+        why (cut to ``PROBE_DETAIL_BYTES`` of UTF-8)."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return
+        cells = self._cells
+        at = self._table.probes_at + slot * PROBE_FIELDS
+        text = detail.encode("utf-8")[:PROBE_DETAIL_BYTES]
+        sequence = cells[at] | 1  # odd: being written (even after a writer that died midway)
+        cells[at] = sequence
+        cells[at + 1] = round(at_s * 1e6)
+        cells[at + 2] = self._worker
+        if self._owner(slot):
+            cells[at + 3] = round(at_s * 1e6)  # the owner is alive
+        cells[at + 4] = 1 if ok else 0
+        cells[at + 5] = len(text)
+        start = (at + 6) * 8
+        self._table.bytes[start : start + len(text)] = text
+        cells[at] = sequence + 1  # even: written
+
+    def probe(self, node_id: str) -> tuple[float, int, bool, str] | None:
+        """The last probe any worker published of ``node_id``: when it was sent (the monotonic
+        clock), by which worker, good or not, and its detail; None when there is none, or it
+        was being written (read again at the next round)."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        cells = self._cells
+        at = self._table.probes_at + slot * PROBE_FIELDS
+        sequence = cells[at]
+        if sequence == 0 or sequence & 1:
+            return None
+        at_us, worker, ok, length = cells[at + 1], cells[at + 2], cells[at + 4], cells[at + 5]
+        start = (at + 6) * 8
+        raw = bytes(self._table.bytes[start : start + min(max(length, 0), PROBE_DETAIL_BYTES)])
+        if cells[at] != sequence:
+            return None
+        # a detail cut within a character loses that character
+        return at_us / 1e6, worker, ok == 1, raw.decode("utf-8", errors="ignore")
+
+    def owner_probed(self, node_id: str) -> float | None:
+        """When ``node_id``'s owner last published a probe of it (the monotonic clock); None
+        when it never did.  Probes other workers publish do not move it."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        at_us = self._cells[self._table.probes_at + slot * PROBE_FIELDS + 3]
+        return at_us / 1e6 if at_us else None
 
     # -- demand --------------------------------------------------------------------------------
 

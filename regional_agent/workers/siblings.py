@@ -4,12 +4,14 @@ rings in one anonymous shared mapping that the supervisor makes before it forks 
 Each worker appends a routed request's record (its node and block hashes) to its own ring, at
 once: a memory copy, no system call.  A worker reads its siblings' rings before each of its
 decisions (``Dispatcher.before_choosing``) and at each turn of its share loop (at least every
-``runtime.IDLE_SHARE_S``, so an idle worker does not fall a ring behind), and inserts their
-records into its own policy's prefix index, as if it had routed the requests, so N workers keep
-the hit rate of one.  A decision therefore sees every record its siblings wrote before it
-began.  Nothing wakes a worker for its siblings' records, and nothing is lost to a worker that
-is busy or preempted for a while: the ring holds ``RING_BYTES`` (1 MiB: about 4,000 records of
-a 400-token prompt, far more of those that leave their head out).
+``runtime.IDLE_SHARE_S``, so an idle worker does not fall a ring behind), decodes their records
+in place and inserts all that one read found into its own policy's prefix index at once
+(``Policy.observe_relayed``: one clock read and one expiry pass, no request view a record), as
+if it had routed the requests, so N workers keep the hit rate of one.  A decision therefore
+sees every record its siblings wrote before it began.  Nothing wakes a worker for its siblings'
+records, and nothing is lost to a worker that is busy or preempted for a while: the ring holds
+``RING_BYTES`` (1 MiB: about 4,000 records of a 400-token prompt, far more of those that leave
+their head out).
 
 Until 2026-12-05 the records went as datagrams on Unix sockets, batched every 2 ms: each batch
 woke every sibling, and a sibling's receive queue (``net.unix.max_dgram_qlen``, often 10

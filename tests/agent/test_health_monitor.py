@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -20,6 +22,7 @@ from regional_agent.health import HealthMonitor
 from regional_agent.nodes import Node, NodePool
 from regional_agent.settings import HealthSettings
 from regional_agent.upstream.client import NodeClient
+from regional_agent.workers.shared import PROBE_DETAIL_BYTES, PROBE_FIELDS, LoadShare, LoadTable
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
 from tests.support.agent import ADMIN, AgentFactory, admin_nodes, metric, openai_client
@@ -335,6 +338,7 @@ async def test_unknown_and_forgotten_nodes(make_monitor: SetupFactory, clock: Ma
         "slow_start",
         "ttft_samples",
         "ttft_median_s",
+        "probes_sent",
     }
 
 
@@ -455,3 +459,125 @@ async def test_a_recovered_node_is_re_admitted_under_light_load_with_the_default
     assert pool.health.state(bad, now=clock.now()) is Health.HEALTHY
     decisions = [d for d in node.decisions if "probation trial" in d]
     assert decisions, list(node.decisions)
+
+
+# -- several workers: one probe of each node a round, shared ----------------------------------
+
+
+async def test_workers_share_one_probe_of_each_node_and_take_over_a_silent_owner(
+    sim_node: NodeFactory,
+    client: NodeClient,
+    clock: ManualClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two workers' monitors over the same four nodes, sharing a table: each node's owner
+    probes it, the other applies the owner's probe (a failing node goes unhealthy on both,
+    one round later on the one that did not probe it), and takes the node over while its
+    owner is silent."""
+    caplog.set_level(logging.INFO, logger=MONITOR_LOG)
+    urls = [await sim_node(profile_name="cpu-tiny", time_scale=20, seed=i) for i in range(4)]
+    ids = [NodeId(f"node-{i}") for i in range(4)]
+    table = LoadTable(workers=2, slots=64)
+    settings = SETTINGS.model_copy(update={"probe_interval_s": 1.0})
+
+    def worker(index: int) -> HealthMonitor:
+        pool = NodePool()
+        for node_id, url in zip(ids, urls, strict=True):
+            pool.add(Node(node_id=node_id, url=url))
+        monitor = HealthMonitor(pool=pool, client=client, settings=settings, clock=clock)
+        pool.health = monitor
+        monitor.share = LoadShare(table, worker=index, lock_file=tmp_path / "slots.lock")
+        return monitor
+
+    first, second = worker(0), worker(1)
+    assert first.share is not None and second.share is not None
+    mine = [n for n in ids if first.share.owns(n)]
+    theirs = [n for n in ids if second.share.owns(n)]
+    assert sorted(mine + theirs) == ids and mine and theirs  # each node has one owner
+
+    def sent() -> list[int]:  # probes each node got, from either worker
+        return [first.probes_sent[n] + second.probes_sent[n] for n in ids]
+
+    await first.probe_once()  # nothing published yet: it probes every node
+    await second.probe_once()  # its own nodes only: the first's probes are fresh
+    assert sent() == [2 if n in theirs else 1 for n in ids]
+    for _ in range(3):  # from then on, one probe of each node a round
+        clock.t += 1.0
+        before = sent()
+        await first.probe_once()
+        await second.probe_once()
+        assert [s - b for s, b in zip(sent(), before, strict=True)] == [1, 1, 1, 1]
+    for node_id in ids:
+        for monitor in (first, second):
+            view = monitor.describe(node_id, now=clock.now())
+            assert view["state"] == "healthy" and view["consecutive_probe_successes"] >= 3
+
+    # a node of the first's fails its probes: the second learns it from the first's
+    sick = mine[0]
+    await _faults(urls[ids.index(sick)], {"fail_health": True})
+    for _ in range(SETTINGS.unhealthy_after):
+        clock.t += 1.0
+        await first.probe_once()
+        await second.probe_once()
+    for monitor in (first, second):
+        assert monitor.state(sick, now=clock.now()) is Health.UNHEALTHY
+    reason = str(second.describe(sick, now=clock.now())["reason"])
+    assert reason == "2 consecutive failed probes (HTTP 503, probed by w0)", reason
+    await _faults(urls[ids.index(sick)], None)
+
+    # the first stops (killed): the second takes its nodes over once the owner is silent
+    silent_at = clock.now()
+    while clock.now() - silent_at < 5.0:
+        clock.t += 1.0
+        before = sent()
+        await second.probe_once()
+        took_over = clock.now() - silent_at > 2 * 1.0 + settings.probe_timeout_s
+        for node_id, was, now in zip(ids, before, sent(), strict=True):
+            probed = node_id in theirs or took_over
+            assert now - was == (1 if probed else 0), (node_id, clock.now() - silent_at)
+    silent = [r.getMessage() for r in caplog.records if "health owner silent" in r.getMessage()]
+    assert sorted(m.split()[3] for m in silent) == [f"node={n}" for n in sorted(mine)]
+    assert second.state(sick, now=clock.now()) is Health.HEALTHY  # its own probes: good again
+
+    await first.probe_once()  # the first is back (started again): the second lets go
+    clock.t += 1.0
+    before = sent()
+    await second.probe_once()
+    assert [s - b for s, b in zip(sent(), before, strict=True)] == [
+        0 if n in mine else 1 for n in ids
+    ]
+    assert sum("health owner back" in r.getMessage() for r in caplog.records) == len(mine)
+
+
+def test_a_published_probe_crosses_a_fork_and_one_read_while_written_is_skipped(
+    tmp_path: Path,
+) -> None:
+    table = LoadTable(workers=2, slots=8)
+    reader = LoadShare(table, worker=0, lock_file=tmp_path / "slots.lock")
+    assert reader.probe("http://a:8000") is None
+    long_detail = "unreachable: " + "\u00e9" * PROBE_DETAIL_BYTES  # two bytes a character
+    pid = os.fork()
+    if pid == 0:  # the sibling publishes
+        code = 0
+        try:
+            LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish_probe(
+                "http://a:8000", 12.5, False, long_detail
+            )
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    got = reader.probe("http://a:8000")
+    assert got is not None and got[:3] == (12.5, 1, False)
+    assert long_detail.startswith(got[3]) and len(got[3].encode()) == PROBE_DETAIL_BYTES - 1
+    slot = reader.slot("http://a:8000")
+    assert slot is not None
+    # the owner's last probe is kept apart: only the owner's publishing moves it
+    assert reader.owner_probed("http://a:8000") == (12.5 if slot % 2 == 1 else None)
+    table.cells[table.probes_at + slot * PROBE_FIELDS] += 1  # odd: a writer is midway
+    assert reader.probe("http://a:8000") is None
+    reader.publish_probe("http://a:8000", 13.0, True, "HTTP 200")  # a dead writer blocks nothing
+    assert reader.probe("http://a:8000") == (13.0, 0, True, "HTTP 200")

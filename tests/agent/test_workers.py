@@ -944,17 +944,18 @@ async def test_two_workers_share_the_port_and_one_metrics_page(
     assert sum(v for _, v in lost) == 0
 
 
-async def test_each_node_is_scraped_by_one_worker_for_both(
+async def test_each_node_is_scraped_and_probed_by_one_worker_for_both(
     sim_processes: Callable[..., list[SimProcess]],
     agent_process: Callable[..., AgentProcess],
 ) -> None:
-    """Two workers, two nodes, a scrape every 0.2 s: each node's owner scrapes it, and the
-    other worker lists the owner's sample (``scraped_by``) having scraped it at most at the
-    start, before the owner's first sample (each worker scraped every node before)."""
+    """Two workers, two nodes, a scrape and a probe every 0.2 s: each node's owner scrapes
+    and probes it, and the other worker lists the owner's sample (``scraped_by``) having
+    scraped and probed it at most at the start, before the owner's first (each worker scraped
+    and probed every node before), and counts the owner's probes as its own."""
     nodes = sim_processes(2)
-    agent = agent_process(nodes, workers=2)
+    agent = agent_process(nodes, workers=2, MERIDIAN_AGENT_HEALTH__PROBE_INTERVAL_S="0.2")
     await _wait_models(agent.url)
-    await asyncio.sleep(2.0)  # about 10 scrape rounds
+    await asyncio.sleep(2.0)  # about 10 scrape and probe rounds
     by_owner: dict[str, dict[str, Any]] = {}  # node -> its owner's listing of it
     by_reader: dict[str, dict[str, Any]] = {}  # node -> the other worker's
     for _ in range(64):
@@ -962,18 +963,20 @@ async def test_each_node_is_scraped_by_one_worker_for_both(
             got = await client.get(f"{agent.url}/admin/nodes", headers=ADMIN)
         assert got.status_code == 200, got.text
         for node in got.json()["nodes"]:
-            telemetry = node["telemetry"]
-            seen = by_reader if telemetry["scraped_by"] else by_owner
-            seen[node["url"]] = telemetry
+            seen = by_reader if node["telemetry"]["scraped_by"] else by_owner
+            seen[node["url"]] = node
         if len(by_owner) == len(by_reader) == 2:
             break
     assert sorted(by_owner) == sorted(by_reader) == sorted(n.url for n in nodes)
     for url, owned in by_owner.items():
         read = by_reader[url]
-        assert owned["scrapes_total"] >= 5, owned
-        assert read["scrapes_total"] <= 2, read  # against about 10 when each scraped
-        assert read["stale"] is False and read["age_s"] < 1.0, read
-        assert read["block_size"] == owned["block_size"] is not None
+        assert owned["telemetry"]["scrapes_total"] >= 5, owned
+        assert read["telemetry"]["scrapes_total"] <= 2, read  # against about 10 when each did
+        assert read["telemetry"]["stale"] is False and read["telemetry"]["age_s"] < 1.0, read
+        assert read["telemetry"]["block_size"] == owned["telemetry"]["block_size"] is not None
+        assert owned["health"]["probes_sent"] >= 5, owned
+        assert read["health"]["probes_sent"] <= 2, read
+        assert read["health"]["consecutive_probe_successes"] >= 5, read  # the owner's probes
 
 
 async def test_the_slots_of_a_node_are_counted_over_every_worker(
