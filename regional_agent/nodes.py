@@ -55,6 +55,57 @@ class SharedLoad(Protocol):
     def moved(self) -> set[str]: ...
 
 
+class SilentOwners:
+    """With several workers, each node has an owner among them that scrapes or probes it for
+    all (``telemetry.scraper``, ``health.monitor``).  This tells a worker whether to do that
+    work on a node itself, and logs as it starts and stops doing so for a silent owner, with
+    ``logger``: ``<what> owner silent node=...: this worker <does> it until the owner publishes
+    again``, then ``<what> owner back node=...: its owner <does> it again``."""
+
+    def __init__(self, logger: logging.Logger, *, what: str, does: str) -> None:
+        self._log = logger
+        self._what = what
+        self._does = does
+        self._covering: set[NodeId] = set()  # nodes done here while their owner is silent
+
+    def do_it_here(
+        self,
+        node_id: NodeId,
+        *,
+        owned: bool,
+        owner_last_s: float | None,
+        now: float,
+        limit_s: float,
+    ) -> bool:
+        """Whether this worker does the work on ``node_id``: it owns the node
+        (``owned``), or the owner has published nothing yet (``owner_last_s`` None: at the
+        start), or nothing for more than ``limit_s`` (it died, or hangs)."""
+        if owned or owner_last_s is None:
+            return True
+        silent_s = now - owner_last_s
+        if silent_s <= limit_s:
+            if node_id in self._covering:
+                self._covering.discard(node_id)
+                self._log.info(
+                    "%s owner back node=%s: its owner %s it again", self._what, node_id, self._does
+                )
+            return False
+        if node_id not in self._covering:
+            self._covering.add(node_id)
+            self._log.warning(
+                "%s owner silent node=%s silent_s=%.1f: this worker %s it until the owner "
+                "publishes again",
+                self._what,
+                node_id,
+                silent_s,
+                self._does,
+            )
+        return True
+
+    def forget(self, node_id: NodeId) -> None:
+        self._covering.discard(node_id)
+
+
 class HealthSource(Protocol):
     def state(self, node_id: NodeId, *, now: float) -> Health: ...
 

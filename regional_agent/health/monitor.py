@@ -46,7 +46,7 @@ from meridian_service.clock import Clock
 from policies import health
 from policies.model import Health, NodeId
 from regional_agent.errors import UpstreamError
-from regional_agent.nodes import Node, NodePool
+from regional_agent.nodes import Node, NodePool, SilentOwners
 from regional_agent.settings import HealthSettings
 from regional_agent.upstream import NodeClient, Timeouts
 
@@ -103,7 +103,7 @@ class HealthMonitor:
         self.ejections: collections.Counter[str] = collections.Counter()
         self.share: SharedProbes | None = None  # with several workers (module docstring)
         self._applied: dict[NodeId, float] = {}  # node -> the sibling's probe applied last
-        self._covering: set[NodeId] = set()  # nodes probed here while their owner is silent
+        self._silent = SilentOwners(log, what="health", does="probes")
         self.probes_sent: collections.Counter[NodeId] = collections.Counter()  # this worker's
         self._sync(now=clock.now())
 
@@ -145,30 +145,17 @@ class HealthMonitor:
     def _probes_itself(self, share: SharedProbes, node_id: NodeId) -> bool:
         """This worker owns ``node_id``, or its owner has published no probe of it lately (at
         the start too, before the owner's first); logs when that starts and stops."""
-        if share.owns(node_id):
-            return True
-        probed_s = share.owner_probed(node_id)
-        if probed_s is None:
-            return True  # at the start, before the owner's first probe
         settings = self._settings
-        limit_s = settings.probe_timeout_s
+        limit_s = settings.probe_timeout_s  # a probe's time limit
         if settings.probe_generate:
             limit_s += settings.probe_generate_timeout_s + 1.0
-        silent_s = self._clock.now() - probed_s
-        if silent_s <= 2 * settings.probe_interval_s + limit_s:
-            if node_id in self._covering:
-                self._covering.discard(node_id)
-                log.info("health owner back node=%s: its owner probes it again", node_id)
-            return False
-        if node_id not in self._covering:
-            self._covering.add(node_id)
-            log.warning(
-                "health owner silent node=%s silent_s=%.1f: this worker probes it until the "
-                "owner publishes again",
-                node_id,
-                silent_s,
-            )
-        return True
+        return self._silent.do_it_here(
+            node_id,
+            owned=share.owns(node_id),
+            owner_last_s=share.owner_probed(node_id),
+            now=self._clock.now(),
+            limit_s=2 * settings.probe_interval_s + limit_s,
+        )
 
     def _apply_sibling_probe(
         self, share: SharedProbes, node_id: NodeId, *, now: float
@@ -277,6 +264,7 @@ class HealthMonitor:
         self._tracker.forget(node_id)
         self._applied.pop(node_id, None)
         self.probes_sent.pop(node_id, None)
+        self._silent.forget(node_id)
 
     def meet(self, node_id: NodeId, *, warm: bool) -> None:
         """Track a node about to join the pool as warm (full traffic at once) or not (slow

@@ -37,7 +37,7 @@ from typing import Protocol
 from meridian_service.clock import Clock
 from policies.model import NodeId, Telemetry
 from regional_agent.errors import UpstreamError
-from regional_agent.nodes import Node, NodePool
+from regional_agent.nodes import Node, NodePool, SilentOwners
 from regional_agent.settings import TelemetrySettings
 from regional_agent.telemetry.parse import Scrape, TelemetryError, parse
 from regional_agent.upstream.client import NodeClient
@@ -140,7 +140,7 @@ class Scraper:
         self._in_flight: dict[NodeId, asyncio.Task[None]] = {}
         self._bug: BaseException | None = None  # raised by a scrape other than a node's fault
         self.share: SharedSamples | None = None  # with several workers (module docstring)
-        self._covering: set[NodeId] = set()  # nodes scraped here while their owner is silent
+        self._silent = SilentOwners(log, what="telemetry", does="scrapes")
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -193,30 +193,18 @@ class Scraper:
         return started
 
     def _sibling_scrapes(self, node_id: NodeId) -> bool:
-        """Another worker owns ``node_id`` and published a sample of it lately.  This worker
-        logs when it starts to scrape a node for a silent owner, and when the owner is back."""
+        """Another worker owns ``node_id`` and published a sample of it lately (at the start,
+        before the owner's first, each worker scrapes it).  This worker logs when it starts to
+        scrape a node for a silent owner, and when the owner is back."""
         assert self.share is not None
-        if self.share.owns(node_id):
-            return False
-        published_s = self.share.owner_published(node_id)
-        if published_s is None:
-            return False  # at the start, before the owner's first sample
         settings = self._settings
-        silent_s = self._clock.now() - published_s
-        if silent_s <= 2 * settings.scrape_interval_s + settings.scrape_timeout_s:
-            if node_id in self._covering:
-                self._covering.discard(node_id)
-                log.info("telemetry owner back node=%s: its owner scrapes it again", node_id)
-            return True
-        if node_id not in self._covering:
-            self._covering.add(node_id)
-            log.warning(
-                "telemetry owner silent node=%s silent_s=%.1f: this worker scrapes it until "
-                "the owner publishes again",
-                node_id,
-                silent_s,
-            )
-        return False
+        return not self._silent.do_it_here(
+            node_id,
+            owned=self.share.owns(node_id),
+            owner_last_s=self.share.owner_published(node_id),
+            now=self._clock.now(),
+            limit_s=2 * settings.scrape_interval_s + settings.scrape_timeout_s,
+        )
 
     def _done(self, node_id: NodeId, task: asyncio.Task[None]) -> None:
         if self._in_flight.get(node_id) is task:
@@ -356,7 +344,7 @@ class Scraper:
     def forget(self, node_id: NodeId) -> None:
         """Drop a node's samples and cancel its scrape in flight (it left the pool)."""
         self._states.pop(node_id, None)
-        self._covering.discard(node_id)
+        self._silent.forget(node_id)
         task = self._in_flight.pop(node_id, None)
         if task is not None:
             task.cancel()
