@@ -361,21 +361,56 @@ class LoadShare:
         ``values`` (at most ``SAMPLE_VALUES``; None, and any left out: not known)."""
         if len(values) > SAMPLE_VALUES:
             raise ValueError(f"a sample carries at most {SAMPLE_VALUES} values")
-        slot = self.slot(node_id)
-        if slot is None:
+        begun = self._begin_write(node_id, self._table.samples_at, SAMPLE_FIELDS, taken_s)
+        if begun is None:
             return
-        cells, floats = self._cells, self._table.floats
-        at = self._table.samples_at + slot * SAMPLE_FIELDS
-        sequence = cells[at] | 1  # odd: being written (even after a writer that died midway)
-        cells[at] = sequence
-        cells[at + 1] = round(taken_s * 1e6)
-        cells[at + 2] = self._worker
-        if self._owner(slot):
-            cells[at + 3] = round(taken_s * 1e6)  # the owner is alive
+        at, sequence = begun
+        floats = self._table.floats
         for i in range(SAMPLE_VALUES):
             value = values[i] if i < len(values) else None
             floats[at + 4 + i] = math.nan if value is None else value
-        cells[at] = sequence + 1  # even: written
+        self._cells[at] = sequence + 1  # even: written
+
+    def _begin_write(
+        self, node_id: str, region_at: int, fields: int, at_s: float
+    ) -> tuple[int, int] | None:
+        """Start writing ``node_id``'s entry of a seqlocked region (samples, probes): its
+        sequence made odd, the time, this worker, and if it owns the node, the owner's time.
+        Where it starts and its odd sequence, which the writer makes even when done; None
+        when the node has no slot."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        cells = self._cells
+        at = region_at + slot * fields
+        sequence = cells[at] | 1  # odd: being written (even after a writer that died midway)
+        cells[at] = sequence
+        cells[at + 1] = round(at_s * 1e6)
+        cells[at + 2] = self._worker
+        if self._owner(slot):
+            cells[at + 3] = round(at_s * 1e6)  # the owner is alive
+        return at, sequence
+
+    def _begin_read(self, node_id: str, region_at: int, fields: int) -> tuple[int, int] | None:
+        """Where ``node_id``'s entry of a seqlocked region starts, and its sequence, to compare
+        after reading the fields; None when there is none, or it is being written."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        at = region_at + slot * fields
+        sequence = self._cells[at]
+        if sequence == 0 or sequence & 1:
+            return None
+        return at, sequence
+
+    def _owner_time(self, node_id: str, region_at: int, fields: int) -> float | None:
+        """The owner's time in ``node_id``'s entry of a seqlocked region (the monotonic clock);
+        None when the owner never wrote it."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return None
+        at_us = self._cells[region_at + slot * fields + 3]
+        return at_us / 1e6 if at_us else None
 
     def tried(self, node_id: str, at_s: float) -> None:
         """This worker's scrape of ``node_id`` failed at ``at_s``: if it owns the node, it is
@@ -389,24 +424,17 @@ class LoadShare:
         monotonic clock); None when it never did either.  Samples other workers publish do not
         move it: while it is recent, the owner is alive and the others need not scrape the
         node."""
-        slot = self.slot(node_id)
-        if slot is None:
-            return None
-        at_us = self._cells[self._table.samples_at + slot * SAMPLE_FIELDS + 3]
-        return at_us / 1e6 if at_us else None
+        return self._owner_time(node_id, self._table.samples_at, SAMPLE_FIELDS)
 
     def latest(self, node_id: str) -> tuple[float, int, tuple[float | None, ...]] | None:
         """The last sample any worker published of ``node_id``: when it was scraped (the
         monotonic clock), by which worker, and its values (all ``SAMPLE_VALUES``); None when
         there is none, or it was being written (read again at the next view)."""
-        slot = self.slot(node_id)
-        if slot is None:
+        begun = self._begin_read(node_id, self._table.samples_at, SAMPLE_FIELDS)
+        if begun is None:
             return None
+        at, sequence = begun
         cells = self._cells
-        at = self._table.samples_at + slot * SAMPLE_FIELDS
-        sequence = cells[at]
-        if sequence == 0 or sequence & 1:
-            return None
         taken_us, worker = cells[at + 1], cells[at + 2]
         raw = self._table.floats[at + 4 : at + SAMPLE_FIELDS].tolist()
         if cells[at] != sequence:
@@ -418,18 +446,12 @@ class LoadShare:
     def publish_probe(self, node_id: str, at_s: float, ok: bool, detail: str) -> None:
         """This worker probed ``node_id`` at ``at_s`` (the monotonic clock): good or not, and
         why (cut to ``PROBE_DETAIL_BYTES`` of UTF-8)."""
-        slot = self.slot(node_id)
-        if slot is None:
+        begun = self._begin_write(node_id, self._table.probes_at, PROBE_FIELDS, at_s)
+        if begun is None:
             return
+        at, sequence = begun
         cells = self._cells
-        at = self._table.probes_at + slot * PROBE_FIELDS
         text = detail.encode("utf-8")[:PROBE_DETAIL_BYTES]
-        sequence = cells[at] | 1  # odd: being written (even after a writer that died midway)
-        cells[at] = sequence
-        cells[at + 1] = round(at_s * 1e6)
-        cells[at + 2] = self._worker
-        if self._owner(slot):
-            cells[at + 3] = round(at_s * 1e6)  # the owner is alive
         cells[at + 4] = 1 if ok else 0
         cells[at + 5] = len(text)
         start = (at + 6) * 8
@@ -440,14 +462,11 @@ class LoadShare:
         """The last probe any worker published of ``node_id``: when it was sent (the monotonic
         clock), by which worker, good or not, and its detail; None when there is none, or it
         was being written (read again at the next round)."""
-        slot = self.slot(node_id)
-        if slot is None:
+        begun = self._begin_read(node_id, self._table.probes_at, PROBE_FIELDS)
+        if begun is None:
             return None
+        at, sequence = begun
         cells = self._cells
-        at = self._table.probes_at + slot * PROBE_FIELDS
-        sequence = cells[at]
-        if sequence == 0 or sequence & 1:
-            return None
         at_us, worker, ok, length = cells[at + 1], cells[at + 2], cells[at + 4], cells[at + 5]
         start = (at + 6) * 8
         raw = bytes(self._table.bytes[start : start + min(max(length, 0), PROBE_DETAIL_BYTES)])
@@ -459,11 +478,7 @@ class LoadShare:
     def owner_probed(self, node_id: str) -> float | None:
         """When ``node_id``'s owner last published a probe of it (the monotonic clock); None
         when it never did.  Probes other workers publish do not move it."""
-        slot = self.slot(node_id)
-        if slot is None:
-            return None
-        at_us = self._cells[self._table.probes_at + slot * PROBE_FIELDS + 3]
-        return at_us / 1e6 if at_us else None
+        return self._owner_time(node_id, self._table.probes_at, PROBE_FIELDS)
 
     # -- demand --------------------------------------------------------------------------------
 
