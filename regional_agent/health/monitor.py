@@ -128,11 +128,12 @@ class HealthMonitor:
         self._sync(now=now)
         changes: list[health.Change] = []
         for node, (ok, detail) in zip(mine, outcomes, strict=True):
+            if node.node_id not in self._tracker:
+                continue  # removed while its probe was in flight
             self.probes_sent[node.node_id] += 1
             if share is not None:
                 share.publish_probe(node.node_id, now, ok, detail)
-            if node.node_id in self._tracker:  # else removed while its probe was in flight
-                changes += self._tracker.on_probe(node.node_id, ok, now=now, detail=detail)
+            changes += self._tracker.on_probe(node.node_id, ok, now=now, detail=detail)
         if share is not None:
             probed = {n.node_id for n in mine}
             for node in nodes:
