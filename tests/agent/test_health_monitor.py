@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.conftest import NodeFactory
 from tests.support import ManualClock
 from tests.support.agent import ADMIN, AgentFactory, admin_nodes, metric, openai_client
 from tests.support.ports import free_port
+from tests.support.process import in_child
 
 MONITOR_LOG = "regional_agent.health.monitor"
 POOL_LOG = "regional_agent.nodes"
@@ -557,19 +557,11 @@ def test_a_published_probe_crosses_a_fork_and_one_read_while_written_is_skipped(
     reader = LoadShare(table, worker=0, lock_file=tmp_path / "slots.lock")
     assert reader.probe("http://a:8000") is None
     long_detail = "unreachable: " + "\u00e9" * PROBE_DETAIL_BYTES  # two bytes a character
-    pid = os.fork()
-    if pid == 0:  # the sibling publishes
-        code = 0
-        try:
-            LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish_probe(
-                "http://a:8000", 12.5, False, long_detail
-            )
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    in_child(  # the sibling publishes
+        lambda: LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish_probe(
+            "http://a:8000", 12.5, False, long_detail
+        )
+    )
     got = reader.probe("http://a:8000")
     assert got is not None and got[:3] == (12.5, 1, False)
     assert long_detail.startswith(got[3]) and len(got[3].encode()) == PROBE_DETAIL_BYTES - 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from regional_agent.upstream.client import NodeClient
 from regional_agent.workers.shared import SAMPLE_FIELDS, SAMPLE_VALUES, LoadShare, LoadTable
 from tests.conftest import NodeFactory
 from tests.support import ManualClock
+from tests.support.process import in_child
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 LONG_PROMPT = " ".join(f"word{i % 50} alpha beta gamma" for i in range(80))  # 400 tokens
@@ -707,19 +707,11 @@ def test_a_published_sample_crosses_a_fork_and_one_read_while_written_is_skipped
     reader = LoadShare(table, worker=0, lock_file=tmp_path / "slots.lock")
     assert reader.latest("http://a:8000") is None
     values: list[float | None] = [3.0, None, 0.25, *[float(i) for i in range(9)]]
-    pid = os.fork()
-    if pid == 0:  # the sibling publishes
-        code = 0
-        try:
-            LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish(
-                "http://a:8000", 12.5, values
-            )
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    in_child(  # the sibling publishes
+        lambda: LoadShare(table, worker=1, lock_file=tmp_path / "slots.lock").publish(
+            "http://a:8000", 12.5, values
+        )
+    )
     assert reader.latest("http://a:8000") == (12.5, 1, tuple(values))
     slot = reader.slot("http://a:8000")
     assert slot is not None

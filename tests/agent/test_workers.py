@@ -56,25 +56,12 @@ from tests.agent import publishing
 from tests.agent.conftest import ADMIN, ADMIN_TOKEN, AgentFactory, SimProcess, stop_process
 from tests.conftest import NodeFactory
 from tests.support import EtcdServer
+from tests.support.process import in_child
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # the h100-llama3-8b profile's
 
 
 # -- the shared load table, across a real fork ---------------------------------------------------
-
-
-def _in_child(work: Callable[[], None]) -> None:
-    """``work()`` in a forked process, which must exit 0."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            work()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.fixture
@@ -94,7 +81,7 @@ def test_a_forked_worker_s_counts_are_summed_and_seen_as_moved(lock_file: Path) 
         other.write("http://a:8000", 3, 300, 0)
         other.write("http://b:8000", 1, 10, 10)
 
-    _in_child(sibling)
+    in_child(sibling)
     assert me.totals("http://a:8000") == (5, 500, 50)
     assert me.totals("http://b:8000") == (1, 10, 10)
     assert me.moved() == {"http://a:8000", "http://b:8000"}
@@ -121,13 +108,13 @@ def test_the_acting_worker_reads_every_worker_s_demand_and_arrivals_never_fall(
 
         return work
 
-    _in_child(sibling(1, 4, 100))
-    _in_child(sibling(2, 0, 7))
+    in_child(sibling(1, 4, 100))
+    in_child(sibling(2, 0, 7))
     assert me.demand(2, 12) == (2 + 4 + 0, 12 + 100 + 7)  # its own as given: fresher
 
     table.clear_worker(1)  # the supervisor, after worker 1 died
     assert me.demand(2, 12) == (2 + 0 + 0, 12 + 100 + 7)
-    _in_child(sibling(1, 3, 5))  # its new life: 5 arrivals so far, after the 100 of its last
+    in_child(sibling(1, 3, 5))  # its new life: 5 arrivals so far, after the 100 of its last
     assert me.demand(2, 12) == (2 + 3 + 0, 12 + 105 + 7)
 
 
@@ -142,7 +129,7 @@ def test_a_node_s_last_slot_goes_to_one_worker_only(lock_file: Path) -> None:
         assert not other.reserve("http://a:8000", 2, 2, 60, 0)  # none left: nothing written
         assert other.totals("http://a:8000") == (2, 150, 10)
 
-    _in_child(sibling)
+    in_child(sibling)
     assert not me.reserve("http://a:8000", 2, 2, 200, 20)
     assert me.totals("http://a:8000") == (2, 150, 10)
     me.write("http://a:8000", 0, 0, 0)  # this worker's request ended
@@ -197,7 +184,7 @@ def test_a_reservation_that_does_not_fit_is_undone(lock_file: Path) -> None:
         other = LoadShare(table, worker=1, lock_file=lock_file)
         assert other.reserve(node, 3, 1, 7, 7)  # the third of three slots
 
-    _in_child(sibling)
+    in_child(sibling)
     assert not me.reserve(node, 3, 3, 999, 99)
     assert me.totals(node) == (3, 157, 27)  # this worker's 2, 150, 20 and the sibling's
 
@@ -221,7 +208,7 @@ def test_a_sibling_s_claim_names_its_node_and_how_far_it_covers_the_prompt(
     def sibling() -> None:
         LoadShare(table, worker=1, lock_file=lock_file).claim(node, theirs, 0)
 
-    _in_child(sibling)
+    in_child(sibling)
     assert shared.CLAIM_AT == (3, 7, 15, 31)  # the blocks claimed
     assert me.claimed(mine, 0) == (node, 8)  # its blocks 3 and 7 are the sibling's
     assert me.claimed(mine, 5) == (node, 8)
@@ -248,7 +235,7 @@ def test_claims_of_one_node_by_two_siblings_cover_the_prompt_and_a_torn_entry_is
         LoadShare(table, worker=1, lock_file=lock_file).claim(node, first, 0)
         LoadShare(table, worker=2, lock_file=lock_file).claim(node, second, 0)
 
-    _in_child(siblings)
+    in_child(siblings)
     me = LoadShare(table, worker=0, lock_file=lock_file)
     me.slot(node)
     assert me.claimed(first, 0) == (node, 32)  # blocks 3 and 7 by worker 2, 15 and 31 by 1
@@ -484,7 +471,7 @@ def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
         for node in reversed(nodes[:8]):
             assert other.slot(node) is not None
 
-    _in_child(sibling)
+    in_child(sibling)
     me = LoadShare(table, worker=0, lock_file=lock_file)
     with caplog.at_level(logging.WARNING):
         slots = [me.slot(node) for node in nodes]
@@ -585,7 +572,7 @@ def test_a_forked_worker_reads_the_records_its_sibling_writes() -> None:
     def child() -> None:
         _relays(rings, {})[1].send("http://a:8000", (7, 8, 9))
 
-    _in_child(child)
+    in_child(child)
     parent.take()
     assert got[0] == [("http://a:8000", 0, (7, 8, 9))]
 

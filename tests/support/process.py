@@ -168,3 +168,18 @@ def serve(
         finally:
             server.process.stop()
         return
+
+
+def in_child(work: Callable[[], None]) -> None:
+    """``work()`` in a forked process, which must exit 0 (a sibling worker sharing memory made
+    before the fork)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            work()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
