@@ -98,6 +98,25 @@ async def fleet_keys(store: meridian_etcd.Store) -> dict[str, bytes]:
     return out
 
 
+async def settled_keys(url: str, store: meridian_etcd.Store) -> dict[str, bytes]:
+    """:func:`fleet_keys` once a whole window has passed without changing them: the regions
+    show healthy before the controller's first window has judged them, and that window writes
+    their first judgements (the keys' ``window`` and ``good_windows``, the models' backups)."""
+    then = await fleet_keys(store)
+    for _ in range(10):
+        window = (await get(url, "/v1/regions"))["window"]
+
+        async def next_window(window: int = window) -> bool:
+            return bool((await get(url, "/v1/regions"))["window"] > window)
+
+        await eventually(next_window, 5 * WINDOW_S, "the next window")
+        now = await fleet_keys(store)
+        if now == then:
+            return now
+        then = now
+    raise AssertionError("the controller wrote the regions' keys in each of 10 windows")
+
+
 # -- fixtures -------------------------------------------------------------------------------------
 
 
@@ -248,7 +267,7 @@ async def test_a_dry_run_failover_from_the_page_shows_the_plan_and_changes_nothi
     await page.select_option("#action", "failover")
     await expect(page.locator("#target-label")).to_be_visible()  # failover takes a target
     await page.select_option("#action-region", "eu-west")
-    before = await fleet_keys(store)
+    before = await settled_keys(fleet.url, store)
     audited = len((await get(fleet.url, "/v1/audit"))["entries"])
 
     await page.click("#dry-run")  # no reason: refused on the page, nothing sent
