@@ -195,14 +195,14 @@ async def _run(
                 )
         await asyncio.gather(*tasks)
         # the agent's probes notice the dead node within a couple of probe intervals
-        for _ in range(50):
+        # (the listing printed is the one that shows it: another worker may answer a later one)
+        for _ in range(100):
             listing = await _admin_nodes(session, agent.url)
             health = listing[2]["health"]
             if isinstance(health, dict) and health.get("state") != "healthy":
                 break
             await asyncio.sleep(0.1)
 
-        listing = await _admin_nodes(session, agent.url)
         agent_metrics = await _metrics(session, agent.url)
         print()
         header = (

@@ -20,12 +20,13 @@ With several workers (``share``, the workers' shared table), a node is probed by
 not by each: the worker that owns it (as for its scrapes, ``telemetry.scraper``) probes it and
 publishes the outcome, and every other worker applies, at each of its own rounds, the newest
 published probe it has not applied yet, as if it had sent it (its detail names the worker that
-did).  A worker probes a node it does not own only while the owner has published no probe of
-it for two intervals and a probe's time limit (it died, or hangs), and logs when it starts
-(``health owner silent``) and stops (``health owner back``).  So each node answers about one
-probe an interval whatever the workers (with ``probe_generate``, one generation, not N), and a
-worker that does not own a node learns a probe's outcome up to one of its rounds later than
-the owner.  A worker's own requests' outcomes (:meth:`HealthMonitor.record`) stay its own.
+did), and between its rounds every :data:`SIBLING_PROBES_S`. A worker probes a node it does not
+own only while the owner has published no probe of it for two intervals and a probe's time limit
+(it died, or hangs), and logs when it starts (``health owner silent``) and stops (``health owner
+back``). So each node answers about one probe an interval whatever the workers (with
+``probe_generate``, one generation, not N), and a worker that does not own a node learns a
+probe's outcome at most ``SIBLING_PROBES_S`` after the owner. A worker's own requests' outcomes
+(:meth:`HealthMonitor.record`) stay its own.
 
 Nodes met before the first probe round has finished are taken as warm (no slow start: a fresh
 agent must not throttle a fleet that has been serving); nodes added later ramp up, unless whoever
@@ -53,6 +54,7 @@ from regional_agent.upstream import NodeClient, Timeouts
 log = logging.getLogger(__name__)
 
 _BAD_NEWS = (Health.UNHEALTHY, Health.EJECTED)
+SIBLING_PROBES_S = 0.1  # with workers: how often a worker applies its siblings' probes
 
 
 class SharedProbes(Protocol):
@@ -114,8 +116,26 @@ class HealthMonitor:
         while True:
             began = self._clock.now()
             await self.probe_once()
-            elapsed_s = max(0.0, self._clock.now() - began)
-            await asyncio.sleep(max(0.0, interval_s - elapsed_s))
+            # until the next round, the siblings' probes as they come (module docstring)
+            while (left_s := interval_s - (self._clock.now() - began)) > 0:
+                await asyncio.sleep(min(left_s, SIBLING_PROBES_S) if self.share else left_s)
+                if self.share is not None:
+                    self.apply_sibling_probes()
+
+    def apply_sibling_probes(self) -> None:
+        """Apply the siblings' newest probes of the nodes this worker does not probe itself,
+        those it has not applied yet (with workers; between rounds, every
+        :data:`SIBLING_PROBES_S`)."""
+        share = self.share
+        if share is None:
+            return
+        now = self._clock.now()
+        changes: list[health.Change] = []
+        for node in self._pool:
+            node_id = node.node_id
+            if node_id in self._tracker and not share.owns(node_id):
+                changes += self._apply_sibling_probe(share, node_id, now=now)
+        self._apply(changes)
 
     async def probe_once(self) -> None:
         """One round: probe every node concurrently (with workers, those this one probes for

@@ -76,7 +76,7 @@ read while written is skipped.
 Probes spare the nodes a health probe per worker (``health.monitor``) the same way: the node's
 owner probes it every ``health.probe_interval_s`` and publishes the outcome and its detail
 (:meth:`LoadShare.publish_probe`, a seqlock too, the detail cut to ``PROBE_DETAIL_BYTES``);
-the others apply the newest one they have not applied yet at each of their rounds
+the others apply the newest one they have not applied yet, every 0.1 s
 (:meth:`LoadShare.probe`), and probe the node themselves only while its owner has published
 none for two intervals and a probe's time limit (:meth:`LoadShare.owner_probed`).
 

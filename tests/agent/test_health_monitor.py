@@ -513,13 +513,14 @@ async def test_workers_share_one_probe_of_each_node_and_take_over_a_silent_owner
             view = monitor.describe(node_id, now=clock.now())
             assert view["state"] == "healthy" and view["consecutive_probe_successes"] >= 3
 
-    # a node of the first's fails its probes: the second learns it from the first's
+    # a node of the first's fails its probes: the second learns it from the first's between
+    # its own rounds (run() calls this every SIBLING_PROBES_S)
     sick = mine[0]
     await _faults(urls[ids.index(sick)], {"fail_health": True})
     for _ in range(SETTINGS.unhealthy_after):
         clock.t += 1.0
         await first.probe_once()
-        await second.probe_once()
+        second.apply_sibling_probes()
     for monitor in (first, second):
         assert monitor.state(sick, now=clock.now()) is Health.UNHEALTHY
     reason = str(second.describe(sick, now=clock.now())["reason"])
