@@ -1,6 +1,8 @@
-"""HTTP to nodes: one aiohttp session with keep-alive connections pooled per node.
+"""HTTP to nodes: the request path's calls (:meth:`NodeClient.post`) on the agent's own
+HTTP/1.1 client (:mod:`regional_agent.upstream.http1`: keep-alive connections pooled per node,
+responses parsed by httptools), the scrapes' and probes' GETs on one aiohttp session.
 
-Every aiohttp or timeout error is translated here, once, into the agent's errors:
+Every connection, aiohttp or timeout error is translated here, once, into the agent's errors:
 
 - cannot connect, reset before the response, timeout before the headers → ``UpstreamUnavailable``
   (retryable);
@@ -30,7 +32,6 @@ node failure and, before any byte reached the client, retried elsewhere.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ from typing import Any
 import aiohttp
 
 from regional_agent.errors import UpstreamProtocolError, UpstreamStatus, UpstreamUnavailable
+from regional_agent.upstream import http1
 
 _CONNECTION_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
-_LARGE_BODY_BYTES = 1024 * 1024  # aiohttp's own threshold for its warning
 # a timer may fire this early (uvloop's are in milliseconds): a wait this close to its end is over
 _TIMER_SLACK_S = 0.001
 
@@ -75,18 +76,18 @@ class UpstreamResponse:
     def __init__(
         self,
         node_id: str,
-        response: aiohttp.ClientResponse,
+        connection: http1.Connection,
         *,
         first_byte_deadline: float,
         timeouts: Timeouts,
     ) -> None:
         self.node_id = node_id
-        self._response = response
+        self._conn = connection
         self._first_byte_deadline = first_byte_deadline  # loop time
         self._timeouts = timeouts
         self._started = False  # the body's first bytes have arrived
-        self.status = response.status
-        self.content_type = response.headers.get("Content-Type", "application/octet-stream")
+        self.status = connection.status
+        self.content_type = connection.content_type or "application/octet-stream"
         self._timer: asyncio.TimerHandle | None = None
         self._waiter: asyncio.Task[Any] | None = None  # the task in a read that waits
         self._wait_until = 0.0  # loop time at which that read's wait runs out
@@ -94,13 +95,15 @@ class UpstreamResponse:
 
     async def _next(self) -> bytes:
         """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
-        content = self._response.content
-        buffered = content.read_nowait()  # what has arrived already needs no timer
-        if buffered:
+        conn = self._conn
+        chunk = conn.take()  # what has arrived already needs no timer
+        if chunk:
             self._started = True
-            return buffered
-        if content.at_eof():
+            return chunk
+        if conn.done:
             return b""
+        if conn.error is not None:
+            raise conn.error
         loop = asyncio.get_running_loop()
         waiting_first = not self._started  # the first bytes are due by the first-byte deadline
         until = self._first_byte_deadline if waiting_first else loop.time() + self._timeouts.gap_s
@@ -115,7 +118,13 @@ class UpstreamResponse:
                 timer.cancel()
             self._timer = loop.call_at(until, self._on_timer)
         try:
-            chunk = await content.readany()
+            while True:
+                await conn.wait()
+                chunk = conn.take()
+                if chunk or conn.done:
+                    break
+                if conn.error is not None:
+                    raise conn.error
         except asyncio.CancelledError:
             if self._expired and task.uncancel() <= cancelling:
                 self._expired = False
@@ -123,7 +132,8 @@ class UpstreamResponse:
             raise  # cancelled from outside (as well)
         finally:
             self._waiter = None
-        self._started = True
+        if chunk:
+            self._started = True
         return chunk
 
     def _on_timer(self) -> None:
@@ -188,7 +198,8 @@ class NodeClient:
         # body's silences are timed by UpstreamResponse instead (module docstring).
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=None)
         self._default = Timeouts(first_byte_s=first_byte_timeout_s, gap_s=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # GETs: scrapes and probes
+        self.pool = http1.Pool(connect_timeout_s=connect_timeout_s)  # the request path's calls
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -205,6 +216,7 @@ class NodeClient:
         return self._session
 
     async def close(self) -> None:
+        self.pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -275,8 +287,8 @@ class _Exchange:
     """:meth:`NodeClient.post`'s context: a class rather than ``@asynccontextmanager``, whose
     generator is resumed at the start and the end of every request."""
 
-    __slots__ = ("_body", "_client", "_headers", "_method", "_node_id", "_response", "_t",
-                 "_up", "_url")  # fmt: skip
+    __slots__ = ("_body", "_client", "_conn", "_headers", "_method", "_node_id", "_t", "_up",
+                 "_url")  # fmt: skip
 
     def __init__(
         self,
@@ -295,68 +307,87 @@ class _Exchange:
         self._headers = headers
         self._t = timeouts
         self._method = method
-        self._response: aiohttp.ClientResponse | None = None
+        self._conn: http1.Connection | None = None
         self._up: UpstreamResponse | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
         node_id, url, method, body, t = self._node_id, self._url, self._method, self._body, self._t
         deadline = asyncio.get_running_loop().time() + t.first_byte_s
         try:
+            origin, target = http1.split(url)
+            length = len(body) if body or method != "GET" else None
+            head = http1.request_head(method, origin, target, self._headers, length)
+        except ValueError as exc:
+            raise UpstreamUnavailable(
+                f"node {node_id}: {method} {url} failed: {exc}", node_id=node_id
+            ) from exc
+        pool = self._client.pool
+        conn: http1.Connection | None = None
+        try:
             async with asyncio.timeout_at(deadline):
-                # aiohttp copies a large bytes body in one go on the loop (and warns); a stream
-                # of it is written in chunks
-                data = io.BytesIO(body) if len(body) > _LARGE_BODY_BYTES else body
-                response = await self._client.session.request(
-                    method, url, data=data if body or method != "GET" else None,
-                    headers=dict(self._headers),
-                )  # fmt: skip
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise UpstreamUnavailable(
-                f"node {node_id}: {method} {url} could not connect within connect_timeout_s "
-                f"{self._client._connect_timeout_s:g} s",
-                node_id=node_id,
-            ) from exc
-        except TimeoutError as exc:
-            raise UpstreamUnavailable(
-                f"node {node_id}: {method} {url} got no response headers within "
-                f"{t.first_byte_s:g} s ({t.first_byte_name})",
-                node_id=node_id,
-            ) from exc
-        except _CONNECTION_ERRORS as exc:
-            raise UpstreamUnavailable(
-                f"node {node_id}: {method} {url} failed: {_why(exc)}", node_id=node_id
-            ) from exc
-        self._response = response
-        if response.status >= 400:
+                for attempt in (0, 1):
+                    conn, reused = await pool.acquire(origin)
+                    conn.send(head, body)
+                    while not conn.headers_done and conn.error is None:
+                        await conn.wait()
+                    if conn.headers_done:
+                        break
+                    error = conn.error
+                    assert error is not None
+                    if attempt or not reused or conn.got_bytes:
+                        raise error
+                    # the node closed it while it sat idle: once more, on a new connection
+                    conn.close()
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, http1.ConnectTimeout):
+                raise UpstreamUnavailable(
+                    f"node {node_id}: {method} {url} could not connect within "
+                    f"connect_timeout_s {self._client._connect_timeout_s:g} s",
+                    node_id=node_id,
+                ) from exc
+            if isinstance(exc, TimeoutError):
+                raise UpstreamUnavailable(
+                    f"node {node_id}: {method} {url} got no response headers within "
+                    f"{t.first_byte_s:g} s ({t.first_byte_name})",
+                    node_id=node_id,
+                ) from exc
+            if isinstance(exc, _CONNECTION_ERRORS):
+                raise UpstreamUnavailable(
+                    f"node {node_id}: {method} {url} failed: {_why(exc)}", node_id=node_id
+                ) from exc
+            raise
+        assert conn is not None
+        self._conn = conn
+        up = UpstreamResponse(node_id, conn, first_byte_deadline=deadline, timeouts=t)
+        if conn.status >= 400:
             try:
                 try:
-                    payload = await response.read()
-                except _CONNECTION_ERRORS:
+                    payload = await up.read()
+                except UpstreamUnavailable:
                     payload = b""
                 raise UpstreamStatus(
-                    f"node {node_id} answered {response.status}",
+                    f"node {node_id} answered {conn.status}",
                     node_id=node_id,
-                    status=response.status,
+                    status=conn.status,
                     body=payload,
-                    content_type=response.headers.get("Content-Type", "application/json"),
+                    content_type=conn.content_type or "application/json",
                 )
             finally:
-                self._done(response)
-        self._up = UpstreamResponse(node_id, response, first_byte_deadline=deadline, timeouts=t)
-        return self._up
+                up._close_timer()
+                pool.release(conn)
+                self._conn = None
+        self._up = up
+        return up
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._up is not None:
             self._up._close_timer()
-        if self._response is not None:
-            self._done(self._response)
-
-    @staticmethod
-    def _done(response: aiohttp.ClientResponse) -> None:
-        if response.content.at_eof():
-            response.release()  # fully read: the connection goes back to the pool
-        else:
-            response.close()  # abandoned mid-body: closing it makes the node abort
+        if self._conn is not None:
+            # read to its end: back to the pool; abandoned mid-body: closed, so the node aborts
+            self._client.pool.release(self._conn)
+            self._conn = None
 
 
 async def sibling_call(
