@@ -1174,13 +1174,9 @@ async def _relay_stream(
     sent: float,
     arrived: float,
 ) -> web.StreamResponse:
-    chunks = up.chunks()
-    try:
-        first = await anext(chunks)  # before this, a failure can still be retried elsewhere
-    except StopAsyncIteration:
-        raise UpstreamProtocolError(
-            f"node {hop.label} sent an empty stream", node_id=hop.label
-        ) from None
+    first = await up.next_chunk()  # before this, a failure can still be retried elsewhere
+    if not first:
+        raise UpstreamProtocolError(f"node {hop.label} sent an empty stream", node_id=hop.label)
     now = agent.clock.now()
     if hop.lease is not None:
         hop.lease.first_token()
@@ -1209,7 +1205,7 @@ async def _relay_stream(
         await response.write(first)
         failure: str | None = None
         try:
-            async for chunk in chunks:
+            while chunk := await up.next_chunk():
                 if tally is not None:
                     tally.feed(chunk)
                 counted.chunk(chunk)
@@ -1237,7 +1233,7 @@ async def _relay_stream(
         # aiohttp's ClientConnectionResetError: the client hung up and the loop noticed it
         # before cancelling this handler.  Leaving the upstream block closes the node's
         # connection, so the node aborts, as on a cancel.  (Upstream failures never get here:
-        # chunks() raises them as UpstreamError.)
+        # next_chunk() raises them as UpstreamError.)
         raise _ClientGone(response, node_id=hop.label) from None
     return response
 

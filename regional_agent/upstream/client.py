@@ -93,8 +93,9 @@ class UpstreamResponse:
         self._wait_until = 0.0  # loop time at which that read's wait runs out
         self._expired = False  # the timer cancelled the waiting read
 
-    async def _next(self) -> bytes:
-        """The next chunk, ``b""`` at the end; silence allowed as the module docstring says."""
+    async def next_chunk(self, *, what: str = "response stream") -> bytes:
+        """The body's next bytes, ``b""`` at its end; silence allowed as the module docstring
+        says.  A broken connection raises ``UpstreamUnavailable`` ("node N broke the ``what``")."""
         conn = self._conn
         chunk = conn.take()  # what has arrived already needs no timer
         if chunk:
@@ -103,7 +104,7 @@ class UpstreamResponse:
         if conn.done:
             return b""
         if conn.error is not None:
-            raise conn.error
+            raise self._broken(conn.error, what)
         loop = asyncio.get_running_loop()
         waiting_first = not self._started  # the first bytes are due by the first-byte deadline
         until = self._first_byte_deadline if waiting_first else loop.time() + self._timeouts.gap_s
@@ -124,7 +125,7 @@ class UpstreamResponse:
                 if chunk or conn.done:
                     break
                 if conn.error is not None:
-                    raise conn.error
+                    raise self._broken(conn.error, what)
         except asyncio.CancelledError:
             if self._expired and task.uncancel() <= cancelling:
                 self._expired = False
@@ -135,6 +136,13 @@ class UpstreamResponse:
         if chunk:
             self._started = True
         return chunk
+
+    def _broken(self, error: BaseException, what: str) -> UpstreamUnavailable:
+        broken = UpstreamUnavailable(
+            f"node {self.node_id} broke the {what}: {_why(error)}", node_id=self.node_id
+        )
+        broken.__cause__ = error
+        return broken
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -167,24 +175,16 @@ class UpstreamResponse:
             self._timer = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            while chunk := await self._next():
-                yield chunk
-        except _CONNECTION_ERRORS as exc:
-            raise UpstreamUnavailable(
-                f"node {self.node_id} broke the response stream: {_why(exc)}", node_id=self.node_id
-            ) from exc
+        """The body chunk by chunk (:meth:`next_chunk` until it is empty)."""
+        while chunk := await self.next_chunk():
+            yield chunk
 
     async def read(self) -> bytes:
+        """The whole body."""
         parts: list[bytes] = []
-        try:
-            while chunk := await self._next():
-                parts.append(chunk)
-        except _CONNECTION_ERRORS as exc:
-            raise UpstreamUnavailable(
-                f"node {self.node_id} broke the response: {_why(exc)}", node_id=self.node_id
-            ) from exc
-        return b"".join(parts)
+        while chunk := await self.next_chunk(what="response"):
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class NodeClient:
