@@ -312,7 +312,8 @@ class _Exchange:
 
     async def __aenter__(self) -> UpstreamResponse:
         node_id, url, method, body, t = self._node_id, self._url, self._method, self._body, self._t
-        deadline = asyncio.get_running_loop().time() + t.first_byte_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t.first_byte_s
         try:
             origin, target = http1.split(url)
             length = len(body) if body or method != "GET" else None
@@ -324,20 +325,29 @@ class _Exchange:
         pool = self._client.pool
         conn: http1.Connection | None = None
         try:
-            async with asyncio.timeout_at(deadline):
-                for attempt in (0, 1):
-                    conn, reused = await pool.acquire(origin)
-                    conn.send(head, body)
-                    while not conn.headers_done and conn.error is None:
+            for attempt in (0, 1):
+                conn = pool.take_idle(origin) if not attempt else None
+                reused = conn is not None
+                if conn is None:
+                    async with asyncio.timeout_at(deadline):
+                        conn = await pool.dial(origin)
+                conn.send(head, body)
+                # the headers are due by the deadline: one timer, not an asyncio.timeout
+                timer = loop.call_at(deadline, conn.expire)
+                try:
+                    while not conn.headers_done and conn.error is None and not conn.overdue:
                         await conn.wait()
-                    if conn.headers_done:
-                        break
-                    error = conn.error
-                    assert error is not None
-                    if attempt or not reused or conn.got_bytes:
-                        raise error
-                    # the node closed it while it sat idle: once more, on a new connection
-                    conn.close()
+                finally:
+                    timer.cancel()
+                if conn.headers_done:
+                    break
+                error = conn.error
+                if error is None:  # overdue
+                    raise TimeoutError
+                if not reused or conn.got_bytes or not isinstance(error, http1.ConnectionLost):
+                    raise error
+                # the node closed it while it sat idle: once more, on a new connection
+                conn.close()
         except BaseException as exc:
             if conn is not None:
                 conn.close()

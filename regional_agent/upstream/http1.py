@@ -126,6 +126,7 @@ class Connection(asyncio.Protocol):
         self.done = False  # the whole response has arrived
         self.keep_alive = False
         self.got_bytes = False  # any byte of this request's response
+        self.overdue = False  # the caller's deadline for the headers passed (expire)
         self.error: ConnectionError | None = None
         self._delimited = False  # a Content-Length or chunked body (else it ends at the close)
         self._body: list[bytes] = []
@@ -140,7 +141,7 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.content_type = ""
-        self.headers_done = self.done = self.keep_alive = self.got_bytes = False
+        self.headers_done = self.done = self.keep_alive = self.got_bytes = self.overdue = False
         self.error = None
         self._delimited = False
         self._body = []
@@ -188,6 +189,11 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.close()
+
+    def expire(self) -> None:
+        """The caller's deadline passed (a timer's callback): wake its wait, which gives up."""
+        self.overdue = True
+        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -283,25 +289,27 @@ class Pool:
     def idle_connections(self) -> int:
         return sum(map(len, self._idle.values()))
 
-    async def acquire(self, origin: Origin) -> tuple[Connection, bool]:
-        """A connection to ``origin``, and whether it was reused (idle in the pool): the most
-        recently used idle one, else a new one.  ``ConnectTimeout`` when none could be opened
-        within the connect timeout; ``OSError`` when the dial failed."""
+    def take_idle(self, origin: Origin) -> Connection | None:
+        """The most recently used idle connection to ``origin`` that is still open and within
+        its keep-alive, out of the pool; ``None`` when there is none."""
         idle = self._idle.get(origin)
-        if idle:
-            assert self.loop is not None
-            now = self.loop.time()
-            while idle:
-                conn = idle.pop()
-                if conn.closed or conn.transport is None or conn.transport.is_closing():
-                    continue
-                if now - conn.idle_since > self._keepalive_s:
-                    conn.close()
-                    continue
-                return conn, True
-        return await self._dial(origin), False
+        if not idle:
+            return None
+        assert self.loop is not None
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                continue
+            if now - conn.idle_since > self._keepalive_s:
+                conn.close()
+                continue
+            return conn
+        return None
 
-    async def _dial(self, origin: Origin) -> Connection:
+    async def dial(self, origin: Origin) -> Connection:
+        """A new connection to ``origin``.  ``ConnectTimeout`` when none could be opened within
+        the connect timeout; ``OSError`` (an ``ssl.SSLError`` included) when the dial failed."""
         loop = self.loop = asyncio.get_running_loop()
         tls: ssl.SSLContext | None = None
         if origin.https:

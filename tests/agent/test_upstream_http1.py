@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from regional_agent.errors import UpstreamStatus, UpstreamUnavailable
 from regional_agent.upstream import http1
-from regional_agent.upstream.client import NodeClient
+from regional_agent.upstream.client import NodeClient, Timeouts
 from tests.support.certs import CertAuthority
 
 
@@ -193,6 +194,34 @@ async def test_a_kept_alive_connection_the_node_dropped_is_retried_once_on_a_new
             async with client.post("n1", f"{base}/x", body=b"{}", headers={}) as up:
                 assert await up.read() == b"ok"
         assert connections == 3
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_headers_overdue_cut_the_call_at_the_first_byte_limit_and_close_it() -> None:
+    hung_up = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await reader.read()  # nothing sent, until the agent hangs up
+        hung_up.set()
+
+    server, base = await _raw_node(silent)
+    client = _client()
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            UpstreamUnavailable,
+            match=r"got no response headers within 0.3 s \(upstream.first_byte_timeout_s\)",
+        ):
+            async with client.post(
+                "n1", f"{base}/x", body=b"{}", headers={},
+                timeouts=Timeouts(first_byte_s=0.3, gap_s=5.0),
+            ):  # fmt: skip
+                pass
+        assert 0.29 <= time.monotonic() - started < 2.0
+        await asyncio.wait_for(hung_up.wait(), 5)
     finally:
         await client.close()
         await server.close()
