@@ -42,6 +42,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _plots
 import agent_overhead as ao
 
 from regional_agent.upstream.client import NodeClient
@@ -162,13 +163,8 @@ def table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: Sequence[dict[str, Any]], subtitle: str, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+    plt = _plots.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38
