@@ -235,12 +235,6 @@ class Connection(asyncio.Protocol):
             why = f": {exc}" if exc is not None else ""
             self._fail(ConnectionLost(f"the node closed the connection mid-response{why}"))
 
-    def pause_writing(self) -> None:  # the request body is written at once; nothing to pause
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- httptools callbacks -----------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
