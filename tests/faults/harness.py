@@ -351,15 +351,19 @@ class Proxy:
     blackholes new ones (accepted, never forwarded: what a dead link looks like, not a refusal);
     ``heal()`` forwards again.  ``blackhole_for(marker)`` blackholes only the new connections
     whose first bytes hold ``marker`` (one client's view of a dead link: an HTTP client's
-    ``User-Agent``, say); ``blackhole_for(None)`` ends that."""
+    ``User-Agent``, say); ``blackhole_for(None)`` ends that.  ``close()`` ends every connection
+    it accepted or dialled, and lets their sockets close, before the test's event loop goes."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
         self.partitioned = False
         self.marker: bytes | None = None
-        self._pairs: set[asyncio.Task[None]] = set()
-        self._held: list[asyncio.StreamWriter] = []
+        self._closed = False
+        self._pairs: set[asyncio.Task[None]] = set()  # forwarding; cancelled by partition()
+        self._handlers: set[asyncio.Task[None]] = set()  # every accepted connection's handler
+        self._held: list[asyncio.StreamWriter] = []  # blackholed: accepted, never answered
+        self._open: set[asyncio.StreamWriter] = set()  # every writer not yet aborted
         self._server: asyncio.Server | None = None
 
     @property
@@ -371,15 +375,19 @@ class Proxy:
         return self
 
     async def close(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
-        self.partition()
-        for task in list(self._pairs):
+        for task in list(self._handlers):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._pairs, return_exceptions=True)
-        for w in self._held:
-            w.close()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        for w in list(self._open):
+            _abort(w, self._open)
+        self._held.clear()
+        if self._server is not None:
+            await self._server.wait_closed()
+        for _ in range(3):
+            await asyncio.sleep(0)  # the transports' connection_lost (which closes the socket)
 
     def partition(self) -> None:
         self.partitioned = True
@@ -394,36 +402,53 @@ class Proxy:
     def heal(self) -> None:
         self.partitioned = False
         for w in self._held:
-            w.close()  # blackholed connections end; clients reconnect through the live link
+            _abort(w, self._open)  # blackholed connections end; clients reconnect
         self._held.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.partitioned:
-            self._held.append(writer)  # never answered
+        self._open.add(writer)
+        if self._closed:
+            _abort(writer, self._open)
             return
-        first = b""
-        if self.marker is not None:
-            first = await reader.read(65536)
-            if self.marker in first:
-                self._held.append(writer)
-                return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
+        if self.partitioned:
+            self._held.append(writer)  # never answered; heal() or close() ends it
             return
         task = asyncio.current_task()
         assert task is not None
-        self._pairs.add(task)
+        self._handlers.add(task)
+        up_writer: asyncio.StreamWriter | None = None
         try:
+            first = b""
+            if self.marker is not None:
+                first = await reader.read(65536)
+                if self.marker in first:
+                    self._held.append(writer)  # never answered; heal() or close() ends it
+                    self._handlers.discard(task)
+                    return
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except OSError:
+                return
+            self._open.add(up_writer)
+            if self.partitioned or self._closed:
+                return
+            self._pairs.add(task)
             up_writer.write(first)
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        except asyncio.CancelledError:
-            pass
+        except (asyncio.CancelledError, OSError):
+            pass  # cut by partition() or close(), or reset by either end
         finally:
             self._pairs.discard(task)
-            for w in (writer, up_writer):
-                w.transport.abort()
+            self._handlers.discard(task)
+            if writer not in self._held:
+                _abort(writer, self._open)
+            if up_writer is not None:
+                _abort(up_writer, self._open)
+
+
+def _abort(writer: asyncio.StreamWriter, open_: set[asyncio.StreamWriter]) -> None:
+    writer.transport.abort()
+    open_.discard(writer)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
