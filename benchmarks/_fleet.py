@@ -46,6 +46,7 @@ class Task:
     agents: int = 1  # agent replicas per region (FleetConfig.agents_per_region)
     workers: bool = False  # the agents are one agent's workers (FleetConfig.workers)
     candidates: int | None = None  # RoutingConfig.meridian_candidates (None: the default)
+    sampled: int | None = None  # RoutingConfig.meridian_sampled (None: the default)
     kv_events: bool = False  # the precise index fed by the engines' events (FleetConfig)
     kv_event_delay_s: float = 0.05
     num_gpu_blocks: int | None = None  # KV-cache blocks per node (None: the profile's)
@@ -59,6 +60,16 @@ def _init(trace: str, profile_name: str, capacity: float) -> None:
     _STATE["profile"] = fleet.with_context(profile.load(profile_name), MAX_MODEL_LEN)
     _STATE["capacity"] = capacity
     _STATE["hasher"] = workloads.BlockHasher(block_size=16)
+
+
+def _routing_config(task: Task) -> routing.RoutingConfig:
+    """The default routing configuration with the task's bound, where it sets one."""
+    config = routing.RoutingConfig()
+    if task.candidates is not None:
+        config = dataclasses.replace(config, meridian_candidates=task.candidates)
+    if task.sampled is not None:
+        config = dataclasses.replace(config, meridian_sampled=task.sampled)
+    return config
 
 
 def _run(task: Task) -> dict[str, Any]:
@@ -82,11 +93,7 @@ def _run(task: Task) -> dict[str, Any]:
         workers=task.workers,
         scrape_interval_s=task.scrape_interval_s,
         seed=task.seed,
-        routing=(
-            routing.RoutingConfig()
-            if task.candidates is None
-            else routing.RoutingConfig(meridian_candidates=task.candidates)
-        ),
+        routing=_routing_config(task),
         kv_events=task.kv_events,
         kv_event_delay_s=task.kv_event_delay_s,
     )
@@ -97,6 +104,7 @@ def _run(task: Task) -> dict[str, Any]:
         "arrival_rate_per_s": work.rate_per_s,
         "window_s": task.window_s,
         "candidates": task.candidates,
+        "sampled": task.sampled,
         "workers": task.workers,
         "num_gpu_blocks": prof.num_gpu_blocks,
         "kv_event_delay_s": task.kv_event_delay_s if task.kv_events else None,

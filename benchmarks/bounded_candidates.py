@@ -11,7 +11,11 @@ and 80 and 95 % load, same seed and arrivals.  At 16 GPUs the bound is not reach
 must be the same.
 
     python benchmarks/bounded_candidates.py [--quick] [--sizes 16,64,256] [--loads 0.8,0.95]
-        [--jobs 2] [--capacity-rps X] [--out-dir DIR]
+        [--jobs 2] [--capacity-rps X] [--bounds 16x8,8x4] [--seed 0] [--out-dir DIR]
+
+``--bounds`` runs other bounded sets beside every node, each ``HOLDERSxDRAWN``
+(``meridian_candidates`` x ``meridian_sampled``); ``--seed`` the simulation's seed, to see
+how far a seed alone moves the tables.
 
 Writes bounded_candidates.json and .md to benchmarks/results/; progress on stderr.
 """
@@ -43,7 +47,7 @@ def table(rows: Sequence[dict[str, Any]]) -> list[str]:
         scored = (
             "every node"
             if r["candidates"] == 0
-            else f"bounded ({r['candidates']} holders + {SAMPLED} drawn)"
+            else f"bounded ({r['candidates']} holders + {r.get('sampled') or SAMPLED} drawn)"
         )
         lines.append(
             f"| {r['nodes']} | {r['load']:.0%} | {scored} | {r['ttft_p50_s']:.3f} "
@@ -64,12 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=600)
     p.add_argument("--capacity-rps", type=float, default=None)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="the simulation's seed (arrivals, draws)")
+    p.add_argument(
+        "--bounds",
+        default=f"16x{SAMPLED}",
+        help="bounded sets to run beside every node, each HOLDERSxDRAWN (comma-separated)",
+    )
     p.add_argument("--out-dir", type=Path, default=_fleet.ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     loads = [float(x) for x in args.loads.split(",")]
     if args.quick:
         sizes, loads, args.window_s, args.min_requests = [64], [0.8], 5.0, 300
+    try:
+        bounds = [tuple(int(x) for x in b.split("x")) for b in args.bounds.split(",")]
+        if any(len(b) != 2 or min(b) < 1 for b in bounds):
+            raise ValueError
+    except ValueError:
+        p.error(f"--bounds {args.bounds!r}: give HOLDERSxDRAWN pairs such as 16x8,8x4")
     capacity = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
     tasks = [
         _fleet.Task(
@@ -81,10 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             window_s=args.window_s,
             min_requests=args.min_requests,
             candidates=k,
+            sampled=d,
+            seed=args.seed,
         )
         for n in sizes
         for load in loads
-        for k in (0, 16)
+        for k, d in [(0, None), *bounds]
     ]
     rows = _fleet.run_all(
         tasks, trace=args.trace, profile_name=args.profile, capacity_rps=capacity, jobs=args.jobs

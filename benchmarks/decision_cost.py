@@ -23,6 +23,11 @@ Variants: ``meridian`` (the default: a bounded candidate set above
 revision can be measured with this script and appended to the same results (the "before" rows):
 
     python benchmarks/decision_cost.py [--quick] [--nodes 8,16,...] [--decisions 5000]
+    python benchmarks/decision_cost.py --nodes 256 --bounds 16x8,8x4 --decisions 30000
+
+``--bounds`` times bounded sets of other sizes (``meridian_candidates`` holders and
+``meridian_sampled`` drawn) side by side instead of the variants, interleaved in blocks of 500
+decisions (``interleaved``), so that a noisy host's drift falls on every set alike.
     PYTHONPATH=/path/to/old/checkout python benchmarks/decision_cost.py --label before --append
 
 Writes decision_cost.json, decision_cost.md and decision_cost.png to benchmarks/results/.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -103,54 +109,112 @@ def requests(count: int, rng: random.Random, *, system_prompts: int = 64) -> lis
     return out
 
 
+class _Run:
+    """A pool of ``n`` nodes, a ``meridian`` policy of ``config`` and a request stream, stepped
+    a number of decisions at a time (:meth:`step`), each timed as the module docstring says."""
+
+    def __init__(
+        self, n: int, config: routing.RoutingConfig, *, requests_: int, seed: int,
+        system_prompts: int,
+    ) -> None:  # fmt: skip
+        self.rng = rng = random.Random(seed)
+        self.pool = pool = NodePool()
+        sources = Sources(n, rng)
+        pool.health = sources  # type: ignore[assignment]
+        pool.telemetry = sources  # type: ignore[assignment]
+        for i in range(n):
+            pool.add(Node(node_id=NodeId(f"n{i}"), url=f"http://n{i}", models=frozenset({MODEL})))
+        self.policy = routing.create("meridian", config)
+        self.stream = iter(requests(requests_, rng, system_prompts=system_prompts))
+        self.in_flight: collections.deque[tuple[NodeId, int]] = collections.deque()
+        self.target = 8 * n
+        self.now = 0.0
+        self.times: list[int] = []
+        self.kept: list[int] = []  # the request's bookkeeping after the decision
+
+    def step(self, count: int, *, keep: bool) -> None:
+        pool, policy, rng, in_flight = self.pool, self.policy, self.rng, self.in_flight
+        for request in itertools.islice(self.stream, count):
+            self.now += 0.001
+            now = self.now
+            t0 = time.perf_counter_ns()
+            views = pool.views(now=now)
+            decision = policy.choose(request, views, now=now, rng=rng)
+            t1 = time.perf_counter_ns()
+            if keep:
+                self.times.append(t1 - t0)
+            assert decision.node is not None, decision
+            tokens = request.prompt_tokens + request.max_tokens
+            t2 = time.perf_counter_ns()
+            pool.acquire(decision.node, tokens=tokens)
+            policy.observe_routed(request, decision.node, now=now)
+            in_flight.append((decision.node, tokens))
+            while len(in_flight) > self.target:
+                node_id, done = in_flight.popleft()
+                pool.release(node_id, tokens=done, failed=False)
+            if keep:
+                self.kept.append(time.perf_counter_ns() - t2)
+
+
 def measure(
     n: int, variant: str, *, decisions: int, warmup: int, seed: int, system_prompts: int = 64
 ) -> dict[str, Any]:
-    rng = random.Random(seed)
-    pool = NodePool()
-    sources = Sources(n, rng)
-    pool.health = sources  # type: ignore[assignment]
-    pool.telemetry = sources  # type: ignore[assignment]
-    for i in range(n):
-        pool.add(Node(node_id=NodeId(f"n{i}"), url=f"http://n{i}", models=frozenset({MODEL})))
     config = routing.RoutingConfig()
     if variant == "meridian-exact":
         if not hasattr(config, "meridian_candidates"):
             raise SystemExit("this revision has no meridian_candidates: measure 'meridian'")
         config = dataclasses.replace(config, meridian_candidates=0)
-    policy = routing.create("meridian", config)
-    stream = requests(warmup + decisions, rng, system_prompts=system_prompts)
-    in_flight: collections.deque[tuple[NodeId, int]] = collections.deque()
-    target = 8 * n
-    times: list[int] = []
-    kept: list[int] = []  # the request's bookkeeping after the decision
-    now = 0.0
-    for k, request in enumerate(stream):
-        now += 0.001
-        t0 = time.perf_counter_ns()
-        views = pool.views(now=now)
-        decision = policy.choose(request, views, now=now, rng=rng)
-        t1 = time.perf_counter_ns()
-        if k >= warmup:
-            times.append(t1 - t0)
-        assert decision.node is not None, decision
-        tokens = request.prompt_tokens + request.max_tokens
-        t2 = time.perf_counter_ns()
-        pool.acquire(decision.node, tokens=tokens)
-        policy.observe_routed(request, decision.node, now=now)
-        in_flight.append((decision.node, tokens))
-        while len(in_flight) > target:
-            node_id, done = in_flight.popleft()
-            pool.release(node_id, tokens=done, failed=False)
-        if k >= warmup:
-            kept.append(time.perf_counter_ns() - t2)
+    run = _Run(n, config, requests_=warmup + decisions, seed=seed, system_prompts=system_prompts)
+    run.step(warmup, keep=False)
+    run.step(decisions, keep=True)
     return {
         "nodes": n,
         "variant": variant,
-        "decisions": len(times),
-        **_quantiles("", times),
-        **_quantiles("kept_", kept),
+        "decisions": len(run.times),
+        **_quantiles("", run.times),
+        **_quantiles("kept_", run.kept),
     }
+
+
+def interleaved(
+    n: int,
+    bounds: Sequence[tuple[int, int]],
+    *,
+    decisions: int,
+    warmup: int,
+    seed: int,
+    system_prompts: int = 64,
+    block: int = 500,
+) -> list[dict[str, Any]]:
+    """``meridian`` with each bounded set ``(holders, drawn)`` (``meridian_candidates``,
+    ``meridian_sampled``), side by side: one pool, policy and stream (the same seed) each,
+    stepped ``block`` decisions at a time in turn, the order rotated every round, so that the
+    host's drift from one minute to the next falls on every set alike."""
+    runs = [
+        _Run(
+            n,
+            dataclasses.replace(routing.RoutingConfig(), meridian_candidates=h, meridian_sampled=d),
+            requests_=warmup + decisions,
+            seed=seed,
+            system_prompts=system_prompts,
+        )
+        for h, d in bounds
+    ]
+    for run in runs:
+        run.step(warmup, keep=False)
+    for r in range(math.ceil(decisions / block)):
+        for i in range(len(runs)):
+            runs[(i + r) % len(runs)].step(block, keep=True)
+    return [
+        {
+            "nodes": n,
+            "variant": f"meridian {h}x{d}",
+            "decisions": len(run.times),
+            **_quantiles("", run.times),
+            **_quantiles("kept_", run.kept),
+        }
+        for (h, d), run in zip(bounds, runs, strict=True)
+    ]
 
 
 def _quantiles(prefix: str, ns: list[int]) -> dict[str, float]:
@@ -237,7 +301,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="settle the garbage collector as the agent does once it listens (gc.freeze, this "
         "young threshold: server.gc_young_threshold's default); 0: CPython's own",
     )
+    parser.add_argument(
+        "--bounds",
+        default="",
+        help="instead of --variants: these bounded sets side by side, interleaved in blocks of "
+        "500 decisions, each HOLDERSxDRAWN (meridian_candidates x meridian_sampled), e.g. 16x8,8x4",
+    )
     args = parser.parse_args(argv)
+    try:
+        bounds = [(int(h), int(d)) for h, d in (b.split("x") for b in args.bounds.split(",") if b)]
+        if any(h < 1 or d < 1 for h, d in bounds):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--bounds {args.bounds!r}: give HOLDERSxDRAWN pairs such as 16x8,8x4")
     try:
         from meridian_service import gc_tuning
     except ImportError:  # a revision from before the agent settled its collector
@@ -253,7 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     if args.append and path.exists():
         rows = [r for r in json.loads(path.read_text())["rows"] if r["label"] != args.label]
-    for variant in args.variants.split(","):
+    for n in sizes if bounds else ():
+        for row in interleaved(n, bounds, decisions=args.decisions, warmup=args.warmup,
+                               seed=args.seed, system_prompts=args.system_prompts):  # fmt: skip
+            row["label"] = args.label
+            rows.append(row)
+            print(f"{args.label} {row['variant']} {n} nodes: p50 {row['p50_us']:.1f} µs, p99 "
+                  f"{row['p99_us']:.1f} µs", file=sys.stderr, flush=True)  # fmt: skip
+    for variant in args.variants.split(",") if not bounds else ():
         for n in sizes:
             row = measure(n, variant, decisions=args.decisions, warmup=args.warmup,
                           seed=args.seed, system_prompts=args.system_prompts)  # fmt: skip
