@@ -167,7 +167,13 @@ def start_bind_with(
 
 def relaunch_bind(server: BindServer) -> BindServer:
     """Start a stopped (or killed) named again: same config, port, zones and journals; wait
-    until it serves every view. The caller stops the returned server."""
+    until it serves every view. The caller stops the returned server.
+
+    A journal that named was writing when it was killed can be torn (empty, or cut inside a
+    transaction), and named then refuses that zone: it is moved aside first, as docs/dns.md
+    ("If named crashed") tells an operator to do, so the zone comes back as of its last dump and
+    the controller writes the rest back."""
+    set_aside_torn_journals(server.work_dir)
     process = ServerProcess(server.process.argv, log_path=server.work_dir / "named-again.log")
     again = dataclasses.replace(server, process=process)
     try:
@@ -176,6 +182,20 @@ def relaunch_bind(server: BindServer) -> BindServer:
         process.stop()
         raise
     return again
+
+
+def set_aside_torn_journals(work_dir: Path) -> list[Path]:
+    """Rename every zone journal under ``work_dir/zones`` that ``named-journalprint`` cannot
+    read to ``<name>.torn``; return the journals set aside."""
+    torn = []
+    for journal in sorted((work_dir / "zones").glob("*.jnl")):
+        result = subprocess.run(
+            [find_binary("named-journalprint"), str(journal)], capture_output=True, check=False
+        )
+        if result.returncode != 0:
+            journal.rename(journal.with_name(journal.name + ".torn"))
+            torn.append(journal)
+    return torn
 
 
 def check_conf(path: Path) -> str:
