@@ -35,9 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dns import query as dns_query
+from dns import rcode as dns_rcode
+from dns import update as dns_update
 
 from tests.deploy import hcleval, tfdocs, tftemplate
 from tests.deploy import support as s
+from tests.support import BindServer
 
 pytestmark = pytest.mark.deploy
 
@@ -720,6 +724,53 @@ def test_bind_files_pass_named_checkconf(pki_example: s.Example, tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("loaded serial 1") == 2, proc.stdout
+
+
+def test_the_bind_pods_init_seeds_once_and_sets_aside_a_torn_journal(
+    example: s.Example, bind: BindServer, tmp_path: Path
+) -> None:
+    """The zone-seed init container's script (``local.bind_zone_prepare``) run by ``sh`` over
+    a zone directory as a crashed pod leaves it: a zone file BIND has written since its seed
+    (kept), a view with no zone yet (seeded), a journal real named wrote (kept) and one a
+    SIGKILL left empty (set aside, docs/dns.md "If named crashed")."""
+    journalprint = shutil.which("named-journalprint", path=f"{os.environ['PATH']}:/usr/sbin")
+    assert journalprint, "named-journalprint is missing: run `make setup` (bind9)"
+    glob = example.module("global")
+    script = glob.local["bind_zone_prepare"]
+    zone_dir = glob.local["bind_zone_dir"]
+    key = bind.view("default").key.tsig_key()
+    update = dns_update.UpdateMessage(bind.zone, keyring={key.name: key})
+    update.add(f"api.{bind.zone}", 30, "A", "192.0.2.10")
+    response = dns_query.tcp(update, bind.host, port=bind.port, timeout=5)
+    assert response.rcode() == dns_rcode.NOERROR
+    bind.process.kill()
+    written = bind.work_dir / "zones" / "default.db.jnl"
+    seed, zones = tmp_path / "seed", tmp_path / "zones"
+    seed.mkdir()
+    (seed / "eu.db").write_text("; the eu seed\n")
+    (seed / "default.db").write_text("; the default seed\n")
+    zones.mkdir()
+    (zones / "default.db").write_text("; dumped by named since\n")
+    shutil.copy(written, zones / "default.db.jnl")
+    (zones / "eu.db.jnl").write_bytes(b"")  # torn by a SIGKILL inside its first write
+    mine = script.replace(zone_dir, str(zones)).replace("/seed/", f"{seed}/")
+    assert " /seed/" not in mine and zone_dir not in mine
+    done = _sh(mine)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (zones / "default.db").read_text() == "; dumped by named since\n"  # not re-seeded
+    assert (zones / "eu.db").read_text() == "; the eu seed\n"
+    assert (zones / "default.db.jnl").read_bytes() == written.read_bytes()  # sound: kept
+    assert not (zones / "eu.db.jnl").exists() and (zones / "eu.db.jnl.torn").exists()
+    again = _sh(mine)
+    assert again.returncode == 0 and sorted(p.name for p in zones.iterdir()) == [
+        "default.db", "default.db.jnl", "eu.db", "eu.db.jnl.torn",
+    ]  # fmt: skip
+
+
+def _sh(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, timeout=30, check=False
+    )
 
 
 def test_templates_stay_within_the_tested_subset() -> None:

@@ -18,6 +18,17 @@ locals {
 
   controller_config_file = "/etc/meridian/controller.toml" # the ConfigMap's mount
 
+  # The BIND pod's zone-seed init container: copy each view's seed once (afterwards BIND's own
+  # files and journals are the truth), then set aside every journal named-journalprint cannot
+  # read. A named killed inside a journal write can leave it torn and then refuses that zone
+  # (docs/dns.md, "If named crashed"); the zone comes back as of its last dump and the
+  # controller writes its records back on its next pass.
+  bind_zone_prepare = join(" && ", [
+    "mkdir -p ${local.bind_zone_dir}",
+    "for f in /seed/*.db; do [ -e ${local.bind_zone_dir}/$(basename $f) ] || cp $f ${local.bind_zone_dir}/; done",
+    "if command -v named-journalprint >/dev/null; then for j in ${local.bind_zone_dir}/*.jnl; do [ -e \"$j\" ] || continue; named-journalprint \"$j\" >/dev/null 2>&1 || mv \"$j\" \"$j.torn\"; done; fi",
+  ])
+
   etcd_member_names = [for i in range(var.etcd_replicas) : "${local.etcd_name}-${i}"]
   etcd_member_host  = { for name in local.etcd_member_names : name => "${name}.${local.etcd_peers}.${var.namespace}.${local.cluster_domain}" }
   etcd_client_urls = local.run_etcd ? [

@@ -856,12 +856,13 @@ resource "kubernetes_stateful_set_v1" "bind" {
           }
         }
 
-        # The zones' seeds, copied once: afterwards BIND's own files (and journals) are the truth.
+        # The zones' seeds, copied once (afterwards BIND's own files and journals are the
+        # truth), and torn journals set aside: local.bind_zone_prepare.
         init_container {
           name              = "zone-seed"
           image             = var.bind_image
           image_pull_policy = "IfNotPresent"
-          command           = ["sh", "-c", "mkdir -p ${local.bind_zone_dir} && for f in /seed/*.db; do [ -e ${local.bind_zone_dir}/$${f##*/} ] || cp $f ${local.bind_zone_dir}/; done"]
+          command           = ["sh", "-c", local.bind_zone_prepare]
 
           resources {
             requests = { cpu = "50m", memory = "32Mi" }
