@@ -738,8 +738,7 @@ def test_the_bind_pods_init_seeds_once_and_sets_aside_a_torn_journal(
     glob = example.module("global")
     script = glob.local["bind_zone_prepare"]
     zone_dir = glob.local["bind_zone_dir"]
-    key = bind.view("default").key.tsig_key()
-    update = dns_update.UpdateMessage(bind.zone, keyring={key.name: key})
+    update = dns_update.UpdateMessage(bind.zone, keyring=bind.view("default").key.keyring())
     update.add(f"api.{bind.zone}", 30, "A", "192.0.2.10")
     response = dns_query.tcp(update, bind.host, port=bind.port, timeout=5)
     assert response.rcode() == dns_rcode.NOERROR
