@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _fleet
+import decision_cost
 
 from policies import routing
 
@@ -81,11 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         sizes, loads, args.window_s, args.min_requests = [64], [0.8], 5.0, 300
     try:
-        bounds = [tuple(int(x) for x in b.split("x")) for b in args.bounds.split(",")]
-        if any(len(b) != 2 or min(b) < 1 for b in bounds):
-            raise ValueError
-    except ValueError:
-        p.error(f"--bounds {args.bounds!r}: give HOLDERSxDRAWN pairs such as 16x8,8x4")
+        bounds = decision_cost.parse_bounds(args.bounds)
+    except ValueError as exc:
+        p.error(str(exc))
     capacity = args.capacity_rps or _fleet.capacity(args.trace, args.profile)
     tasks = [
         _fleet.Task(

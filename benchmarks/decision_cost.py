@@ -156,6 +156,18 @@ class _Run:
                 self.kept.append(time.perf_counter_ns() - t2)
 
 
+def parse_bounds(text: str) -> list[tuple[int, int]]:
+    """``--bounds``: comma-separated ``HOLDERSxDRAWN`` pairs (``16x8,8x4``), each at least 1;
+    raises ``ValueError`` saying what to give."""
+    try:
+        bounds = [(int(h), int(d)) for h, d in (b.split("x") for b in text.split(",") if b)]
+    except ValueError:
+        bounds = [(0, 0)]
+    if any(h < 1 or d < 1 for h, d in bounds):
+        raise ValueError(f"--bounds {text!r}: give HOLDERSxDRAWN pairs such as 16x8,8x4")
+    return bounds
+
+
 def measure(
     n: int, variant: str, *, decisions: int, warmup: int, seed: int, system_prompts: int = 64
 ) -> dict[str, Any]:
@@ -309,11 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        bounds = [(int(h), int(d)) for h, d in (b.split("x") for b in args.bounds.split(",") if b)]
-        if any(h < 1 or d < 1 for h, d in bounds):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--bounds {args.bounds!r}: give HOLDERSxDRAWN pairs such as 16x8,8x4")
+        bounds = parse_bounds(args.bounds)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         from meridian_service import gc_tuning
     except ImportError:  # a revision from before the agent settled its collector
