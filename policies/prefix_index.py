@@ -67,7 +67,7 @@ dict with one node's float (measured with tracemalloc on 200k entries: 340-400 b
 
 
 _POSITIONS_KEPT: Final = 4096  # prompt lengths whose indexed positions are kept
-_FLOOR_MIN_HOLDERS: Final = 16  # entries this widely held keep a floor (see match)
+_FLOOR_MIN_HOLDERS: Final = 4  # entries this widely held keep a floor (see match)
 _FLOORS_KEPT: Final = 4096  # floors kept at most (then forgotten, to be found again)
 # nodes that hold a prompt's leading blocks to one depth: the depth, and the nodes (iterated in
 # the answer's order; ``in`` answers whether a node is one of them)
@@ -262,7 +262,11 @@ class PrefixIndex:
         while pending:
             lo, hi, at_lo, at_hi = pending.pop()
             if hi - lo > 1:
-                mid = (lo + hi) // 2
+                # The first split is at the last indexed block but one, later ones halve: a
+                # prompt's new part is most often its last block (a new message after a system
+                # prompt or a conversation's earlier turns), and then one lookup finds the rest
+                # held alike, where halving takes one lookup a halving.
+                mid = hi - 2 if hi == count and lo == 0 and hi > 2 else (lo + hi) // 2
                 at_mid = holders_at(mid)
                 size = 0 if at_mid is None else len(at_mid)
                 if size != len(at_lo):  # else the same holders from lo to mid

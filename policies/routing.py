@@ -856,8 +856,10 @@ class _PrefixAware(_Indexed):
 
 
 _DEPTH_OF_RUN: Final = operator.itemgetter(0)  # of a (depth, nodes) run
-# a view; 1 / its capacity; its queue, KV, probation and unknown terms; prefill weight / capacity
-_Terms = tuple[NodeView, float, float, float]
+# a view; 1 / its capacity; its queue, KV, probation and unknown terms with the prefill term of
+# what it has ahead; the prefill weight a token over its capacity; its tokens in flight over its
+# capacity
+_Terms = tuple[NodeView, float, float, float, float]
 
 
 def _longest(runs: Sequence[Run], limit: int, matched: int) -> dict[NodeId, int]:
@@ -953,33 +955,45 @@ class _Meridian(_Indexed):
         runs = self._match_runs(request.block_hashes, now) if request.block_hashes else []
         matched = sum([len(nodes) for _, nodes in runs])
         holders = _longest(runs, limit, matched)
-        bounded: dict[NodeId, NodeView] = {}
+        # the bounded set, as lists the cost reads (views and their depths): the holders with
+        # a slot, then the drawn nodes that are not holders, each once, in the order drawn
+        ready: list[NodeView] = []
+        depths: list[int] = []
         serving = nodes.routable_set(request.model)
         probation = Health.PROBATION
-        for node_id in holders:  # NodeView.has_slot, inline
+        for node_id, depth in holders.items():  # NodeView.has_slot, inline
             if node_id in serving:
                 view = by_id[node_id]
                 if view.in_flight < (1 if view.health is probation else view.slots):
-                    bounded[node_id] = view
-        for node_id in rng.choices(ids, k=self._config.meridian_sampled):
+                    ready.append(view)
+                    depths.append(depth)
+        # ``rng.choices(ids, k=meridian_sampled)``, inline: the same draws from ``rng``.  A
+        # drawn holder is skipped: it is in the set already, or it is full (drawn nodes are
+        # routable, so serving)
+        draw, span = rng.random, float(len(ids))
+        drawn: set[NodeId] = set()
+        for _ in range(self._config.meridian_sampled):
+            node_id = ids[int(draw() * span)]
+            if node_id in holders or node_id in drawn:
+                continue
+            drawn.add(node_id)
             view = by_id[node_id]
             if view.in_flight < (1 if view.health is probation else view.slots):
-                bounded.setdefault(node_id, view)
-        if not bounded:  # the sample drew full nodes only: look at every one
+                ready.append(view)
+                # every node matched is a holder, or this one may be matched less deeply
+                depths.append(0 if matched <= limit else _depth_in(runs, node_id))
+        if not ready:  # the sample drew full nodes only: look at every one
             everyone = candidates(request, nodes)
             if not everyone:
                 return _no_candidates(request, nodes)
             return self._choose(request, everyone, now=now, rng=rng)
-        if matched <= limit:  # every node matched is a holder
-            depths = list(map(holders.get, bounded, itertools.repeat(0, len(bounded))))
-        else:
-            depths = [holders[n] if n in holders else _depth_in(runs, n) for n in bounded]
-        return self._choose(request, list(bounded.values()), now=now, rng=rng, matches=depths)
+        return self._choose(request, ready, now=now, rng=rng, matches=depths)
 
     def _node_terms(self, n: NodeView) -> _Terms:
         """What ``n``'s cost owes to ``n`` alone, for as long as the pool keeps this view: the
-        inverse of its capacity ``weight * warm``, the sum of its queue, KV, probation and
-        unknown terms, and the prefill term's weight per token over its capacity."""
+        inverse of its capacity ``weight * warm``; the sum of its queue, KV, probation and
+        unknown terms and of the prefill term of the prefill it has ahead; the prefill term's
+        weight per token over its capacity; and its tokens in flight over its capacity."""
         cfg = self._config
         w = n.slow_start if n.slow_start > cfg.slow_start_floor else cfg.slow_start_floor
         if w > 1.0:  # _warm, inline
@@ -988,14 +1002,18 @@ class _Meridian(_Indexed):
         waiting, kv = (0, 0.0) if telemetry is None else (telemetry.waiting, telemetry.kv_util)
         slots = n.slots if n.slots > 1 else 1
         cap = (n.weight if n.weight > _MIN_WEIGHT else _MIN_WEIGHT) * w
+        per_cap = 1.0 / cap
+        prefill_per_token = cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens / cap
         return (
             n,
-            1.0 / cap,
+            per_cap,
             cfg.meridian_queue_weight * (n.in_flight + waiting + 1) / (slots * w)
             + cfg.meridian_kv_weight * (kv + (1.0 if kv >= cfg.kv_high_watermark else 0.0))
             + cfg.meridian_probation_penalty * (n.health is Health.PROBATION)
-            + cfg.meridian_unknown_penalty * (telemetry is None),
-            cfg.meridian_prefill_weight / cfg.meridian_prefill_norm_tokens / cap,
+            + cfg.meridian_unknown_penalty * (telemetry is None)
+            + n.prefill_tokens * prefill_per_token,
+            prefill_per_token,
+            n.in_flight_tokens * per_cap,
         )
 
     def _choose(
@@ -1031,24 +1049,25 @@ class _Meridian(_Indexed):
             kept = terms.get(n.node_id)
             if kept is None or kept[0] is not n:
                 kept = terms[n.node_id] = self._node_terms(n)
-            _, per_cap, own_terms, prefill_per_token = kept
-            t = (n.in_flight_tokens + request_tokens) * per_cap
+            _, per_cap, own_terms, prefill_per_token, tokens_ahead = kept
+            t = tokens_ahead + request_tokens * per_cap
             if t > tok_max:
                 tok_max = t
             own = prompt_tokens - matched * block_tokens
             if own < 0:
                 own = 0
-            bases.append(
-                prefix_unit * matched + own_terms + (n.prefill_tokens + own) * prefill_per_token
-            )
+            bases.append(prefix_unit * matched + own_terms + own * prefill_per_token)
             ratios.append(t)
         costs = list(
             map(operator.add, bases, map((cfg.meridian_tokens_weight / tok_max).__mul__, ratios))
         )
         lowest = min(costs)
         bound = lowest + _TIE
-        tied = [i for i, c in enumerate(costs) if c <= bound]
-        i = tied[0] if len(tied) == 1 else rng.choice(tied)
+        i = costs.index(lowest)
+        costs[i] = math.inf  # the next lowest: is it a tie?
+        if min(costs) <= bound:
+            costs[i] = lowest
+            i = rng.choice([i for i, c in enumerate(costs) if c <= bound])
         pick = ready[i]
         queued = "?" if pick.telemetry is None else str(pick.telemetry.waiting)
         hit = f"{matches[i] / blocks:.0%}" if blocks else "n/a"

@@ -271,7 +271,7 @@ def test_the_bisection_agrees_with_walking_every_block(
 ) -> None:
     """On chained prompts, with claims expiring, evictions and removed nodes, match finds what
     walking every indexed block in order finds.  ``floors``: every block keeps a floor (in use,
-    only blocks held by 16 nodes or more do), and the floors are forgotten every third one."""
+    only blocks held by 4 nodes or more do), and the floors are forgotten every third one."""
     with contextlib.ExitStack() as patches:
         if floors:
             patches.enter_context(mock.patch.object(prefix_index, "_FLOOR_MIN_HOLDERS", 1))
