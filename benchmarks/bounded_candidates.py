@@ -1,7 +1,7 @@
 """Does scoring a bounded candidate set route as well as scoring every node?
 
 Question: the ``meridian`` policy scores, above ``meridian_candidates`` (16) routable nodes,
-only the prefix index's holders of the prompt (16 at most) plus ``meridian_sampled`` (8) nodes
+only the prefix index's holders of the prompt (16 at most) plus ``meridian_sampled`` (4) nodes
 drawn at random (docs/agent.md).  Does that keep the fleet tables' TTFT, queue wait and hit
 rate?  The fleet
 simulator (the set-up of ``fleet_tables.py``: the Mooncake conversation trace, simulated H100s,

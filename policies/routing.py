@@ -174,9 +174,10 @@ class RoutingConfig:
     longest matches at most), plus ``meridian_sampled`` drawn at random (the cost then picks
     the least loaded of them, as power-of-k-choices does), so a decision costs the same at
     1,024 nodes as at 16.  0: always score every node."""
-    meridian_sampled: int = 8
+    meridian_sampled: int = 4
     """Nodes drawn at random (with replacement: a repeat counts once) into ``meridian``'s
-    bounded set, beside the prefix index's holders; at least 1."""
+    bounded set, beside the prefix index's holders; at least 1.  (8 until 2026-12-06: 4 route
+    alike on the fleet tables, at 10 % less a decision; docs/benchmarks.md.)"""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -368,7 +369,7 @@ class ProbationTrials:
         """The trial this decision makes, or ``None``; call once per decision with the
         candidates."""
         self._decisions += 1
-        waiting = [n for n in ready if n.health is Health.PROBATION]
+        waiting = [n for n in ready if n.health is Health.PROBATION] if ready else ready
         if not waiting:
             self._waited = 0
             self._first_seen.clear()

@@ -14,9 +14,9 @@ def test_a_task_sets_only_the_bounds_it_names() -> None:
     task = _fleet.Task("bounded", "meridian", 64, 0.8, 1.0, None, 0)
     assert _fleet._routing_config(task) == default
     both = _fleet._routing_config(
-        _fleet.Task("bounded", "meridian", 64, 0.8, 1.0, None, 0, candidates=8, sampled=4)
+        _fleet.Task("bounded", "meridian", 64, 0.8, 1.0, None, 0, candidates=8, sampled=6)
     )
-    assert (both.meridian_candidates, both.meridian_sampled) == (8, 4)
+    assert (both.meridian_candidates, both.meridian_sampled) == (8, 6)
     assert both.meridian_prefix_weight == default.meridian_prefix_weight
     exact = _fleet._routing_config(
         _fleet.Task("bounded", "meridian", 64, 0.8, 1.0, None, 0, candidates=0)
