@@ -274,8 +274,32 @@ def prefix_index_bytes(policy: Policy) -> int | None:
 
 
 def candidates(request: RequestView, nodes: Sequence[NodeView]) -> list[NodeView]:
-    """The nodes that may take ``request`` now, in the given order."""
+    """The nodes that may take ``request`` now, in the given order (from a pool's
+    :class:`~policies.model.NodeViews`, its routable nodes for the model, read by id)."""
+    if isinstance(nodes, NodeViews):
+        by_id, probation = nodes.by_id, Health.PROBATION
+        ready = []
+        for node_id in nodes.routable(request.model):  # NodeView.has_slot, inline
+            view = by_id[node_id]
+            if view.in_flight < (1 if view.health is probation else view.slots):
+                ready.append(view)
+        return ready
     return [n for n in nodes if n.routable and request.model in n.models and n.has_slot]
+
+
+def _trial_candidates(
+    request: RequestView, nodes: Sequence[NodeView], ready: Sequence[NodeView]
+) -> Sequence[NodeView]:
+    """What :meth:`ProbationTrials.pick` is shown of the candidates ``ready``: from a pool's
+    :class:`~policies.model.NodeViews`, its nodes on probation that have a slot (most often
+    none); else ``ready`` itself (``pick`` keeps those on probation)."""
+    if not isinstance(nodes, NodeViews):
+        return ready
+    on_probation = nodes.probation(request.model)
+    if not on_probation:
+        return ()
+    by_id = nodes.by_id
+    return [by_id[i] for i in on_probation if by_id[i].has_slot]
 
 
 # --- shared helpers -------------------------------------------------------------------------
@@ -413,7 +437,7 @@ class _Base:
         ready = candidates(request, nodes)
         if not ready:
             return _no_candidates(request, nodes)
-        trial = self._trials.pick(ready)
+        trial = self._trials.pick(_trial_candidates(request, nodes, ready))
         if trial is not None:
             return trial
         return self._choose(request, ready, now=now, rng=rng)
@@ -947,10 +971,7 @@ class _Meridian(_Indexed):
         if len(ids) <= limit:
             return super().choose(request, nodes, now=now, rng=rng)
         by_id = nodes.by_id
-        on_probation = nodes.probation(request.model)
-        trial = self._trials.pick(
-            [by_id[i] for i in on_probation if by_id[i].has_slot] if on_probation else ()
-        )
+        trial = self._trials.pick(_trial_candidates(request, nodes, ()))
         if trial is not None:
             return trial
         runs = self._match_runs(request.block_hashes, now) if request.block_hashes else []

@@ -650,6 +650,33 @@ def _route_sequence(
 
 
 @settings(max_examples=100, deadline=None)
+@given(pool=_pools(), requests=st.lists(_requests, min_size=1, max_size=12), seed=st.integers())
+def test_a_pools_node_views_decide_as_the_same_views_in_a_list(
+    pool: list[NodeView], requests: list[RequestView], seed: int
+) -> None:
+    """``candidates`` and the probation trials read a pool's :class:`NodeViews` by id (its
+    routable and probation ids); every policy decides over them as over a plain list of the
+    same views, in the same order, request after request, the views replaced in place as the
+    pool replaces them when a node takes a request; a trial every other decision."""
+    config = dataclasses.replace(CONFIG, probation_every=2)
+    for name in routing.NAMES:
+        listed, viewed = routing.create(name, config), routing.create(name, config)
+        rng, twin_rng = random.Random(seed), random.Random(seed)
+        plain, views = list(pool), NodeViews(pool)
+        for t, request in enumerate(requests):
+            assert routing.candidates(request, views) == routing.candidates(request, plain)
+            decision = listed.choose(request, plain, now=float(t), rng=rng)
+            assert viewed.choose(request, views, now=float(t), rng=twin_rng) == decision, name
+            if decision.node is None:
+                continue
+            listed.observe_routed(request, decision.node, now=float(t))
+            viewed.observe_routed(request, decision.node, now=float(t))
+            i = next(i for i, n in enumerate(plain) if n.node_id == decision.node)
+            plain[i] = dataclasses.replace(plain[i], in_flight=plain[i].in_flight + 1)
+            views.replace(i, plain[i])
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     weights=st.lists(st.tuples(st.floats(0.1, 10.0), st.floats(0.0, 1.0)), min_size=1, max_size=8),
     keys=st.lists(st.sampled_from([f"k{i}" for i in range(6)]), max_size=60),
