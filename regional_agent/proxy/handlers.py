@@ -50,7 +50,8 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final
 
 import msgspec
 from aiohttp import web
@@ -97,6 +98,11 @@ _FORWARD_HEADERS = ("Authorization", "X-Request-ID", "traceparent", "tracestate"
 _TRACE_HEADERS = ("traceparent", "tracestate")
 _W3C = TraceContextTextMapPropagator()  # W3C trace context: the client's in, the agent's out
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# a request that sets none of the chat options (a conversation's, the stand-in's): one value
+# for all of them, its template arguments read-only
+_NO_OPTIONS: Final = ChatOptions(template_kwargs=MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -311,7 +317,7 @@ def _parse_body(
                 raise BadRequest(
                     "'messages' must be a non-empty list of messages", param="messages"
                 )
-            options = _chat_options(body) if own is not None else ChatOptions()
+            options = _chat_options(body) if own is not None else _NO_OPTIONS
             hashes, prompt_tokens = _chat_tokens(
                 messages, options, own, prompts, block_tokens=block_tokens,
                 max_tokens=max_prompt_tokens,
@@ -486,7 +492,7 @@ def _conversation_tokens(
         return (), 1
     try:
         return _chat_tokens(
-            messages, ChatOptions(), own, prompts, block_tokens=block_tokens, max_tokens=max_tokens
+            messages, _NO_OPTIONS, own, prompts, block_tokens=block_tokens, max_tokens=max_tokens
         )
     except prompt.PromptError:
         return (), 1
