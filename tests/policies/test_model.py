@@ -57,18 +57,7 @@ def test_node_view_makes_the_value_the_constructor_makes(fields: dict[str, objec
 
 
 def test_a_node_view_stays_frozen() -> None:
-    view = node_view(
-        node_id=NodeId("n1"),
-        models=frozenset({"m"}),
-        admin=AdminState.ACTIVE,
-        health=Health.HEALTHY,
-        weight=1.0,
-        in_flight=0,
-        in_flight_tokens=0,
-        prefill_tokens=0,
-        slots=64,
-        slow_start=1.0,
-        telemetry=None,
-    )
+    made = NodeView(node_id=NodeId("n1"), models=frozenset({"m"}))
+    view = node_view(**{f.name: getattr(made, f.name) for f in dataclasses.fields(made)})
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.in_flight = 1  # type: ignore[misc]
