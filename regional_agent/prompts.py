@@ -664,6 +664,7 @@ class Prompts:
     default: ModelPrompts | None = None
     cache: prompt.PrefixCache | None = None
     shared: _LockedCache | None = None  # ``cache`` behind its lock, for every model's prompts
+    pieces: prompt.PieceIds = dataclasses.field(default_factory=prompt.PieceIds)  # stand-in's
 
     def for_model(self, model: str) -> ModelPrompts | None:
         """The model's own entry, else the default, else None (the stand-in)."""
@@ -679,7 +680,7 @@ class Prompts:
         ``max_tokens * HEAD_CHARS_PER_TOKEN`` characters (``policies.prompt.encode_head``)."""
         return prompt.encode_head(
             prompt.render_chat(messages),
-            tokenize=prompt.tokenize_many,
+            tokenize=self.pieces.tokenize_many,
             block_size=block_size,
             max_tokens=max_tokens,
             boundaries=prompt.STAND_IN_SPECIAL,

@@ -547,13 +547,13 @@ def test_the_stand_in_hashes_a_shared_system_prompt_once(monkeypatch: pytest.Mon
     loaded = prompts.load(TokenizerSettings())
     system = " ".join(f"word{i % 97}" for i in range(2000))
     calls: list[int] = []
-    tokenize_many = prompt.tokenize_many
+    tokenize_many = prompt.PieceIds.tokenize_many
 
-    def counting(texts: Sequence[str]) -> list[tuple[int, ...]]:
+    def counting(self: prompt.PieceIds, texts: Sequence[str]) -> list[tuple[int, ...]]:
         calls.append(sum(len(t) for t in texts))
-        return tokenize_many(texts)
+        return tokenize_many(self, texts)
 
-    monkeypatch.setattr(prompt, "tokenize_many", counting)
+    monkeypatch.setattr(prompt.PieceIds, "tokenize_many", counting)
     for question in ("first?", "second?"):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         loaded.encode_stand_in_chat(messages, block_size=16, max_tokens=8192)

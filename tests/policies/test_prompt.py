@@ -388,3 +388,30 @@ def test_a_full_cache_evicts_the_least_recently_used_first() -> None:
         True, False, False, True, True
     ]  # fmt: skip
     assert len(cache) == 3 and cache.estimated_bytes() == 3 * state.estimated_bytes()
+
+
+@given(
+    batches=st.lists(
+        st.lists(st.lists(_FRAGMENTS, max_size=40).map("".join), max_size=4), max_size=6
+    ),
+    limit=st.integers(1, 40),
+)
+def test_piece_ids_tokenise_as_tokenize_many_while_they_fill_and_forget(
+    batches: list[list[str]], limit: int
+) -> None:
+    """However full the remembered pieces (a small ``limit`` forgets them often), the ids are
+    those of :func:`tokenize_many`, text after text, batch after batch; never more than
+    ``limit`` pieces are kept."""
+    pieces = prompt.PieceIds(limit=limit)
+    for texts in batches:
+        assert pieces.tokenize_many(texts) == prompt.tokenize_many(texts)
+        assert len(pieces) <= limit
+
+
+def test_piece_ids_raise_what_tokenize_raises_and_refuse_a_bad_limit() -> None:
+    pieces = prompt.PieceIds()
+    pieces.tokenize_many(["a word"])  # "a" and " word" are known now
+    with pytest.raises(prompt.PromptError, match="lone surrogate"):
+        pieces.tokenize_many(["a \udfff"])
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        prompt.PieceIds(limit=0)
