@@ -158,8 +158,14 @@ def piece_id(piece: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
 
 def tokenize(text: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[int, ...]:
     """Token ids of ``text``: deterministic, and equal for equal text."""
+    return _text_piece_ids(text, _PIECE.findall(text), vocab_size)
+
+
+def _text_piece_ids(text: str, pieces: list[str], vocab_size: int) -> tuple[int, ...]:
+    """:func:`_piece_ids` of ``text``'s ``pieces``, a lone surrogate a ``PromptError`` saying
+    where in ``text``."""
     try:
-        return _piece_ids(_PIECE.findall(text), vocab_size)
+        return _piece_ids(pieces, vocab_size)
     except UnicodeEncodeError:
         check_text(text, field="the text")  # raises PromptError saying where
         raise
@@ -200,11 +206,7 @@ def tokenize_prefix(text: str, *, max_tokens: int, vocab_size: int = DEFAULT_VOC
             break
         limit *= 2
     head = head[:max_tokens]
-    try:
-        ids = _piece_ids(head, vocab_size)
-    except UnicodeEncodeError:
-        check_text(text, field="the text")
-        raise
+    ids = _text_piece_ids(text, head, vocab_size)
     end = sum(map(len, head))
     if end == len(text):
         return Prefix(token_ids=ids, total_tokens=len(ids), complete=True)
@@ -245,7 +247,7 @@ class PieceIds:
             try:
                 out.append(tuple(map(known, pieces)))
             except KeyError:
-                found = tokenize(text)  # raises what tokenize raises
+                found = _text_piece_ids(text, pieces, DEFAULT_VOCAB_SIZE)  # tokenize's
                 if len(found) <= self._limit:
                     if len(ids) + len(found) > self._limit:
                         ids.clear()
