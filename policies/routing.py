@@ -59,7 +59,15 @@ from dataclasses import dataclass, fields
 from typing import Final, Protocol
 
 from policies.kv_index import PreciseIndex
-from policies.model import Decision, Health, NodeId, NodeView, NodeViews, RequestView
+from policies.model import (
+    Decision,
+    Health,
+    NodeId,
+    NodeView,
+    NodeViews,
+    RequestView,
+    decision_later,
+)
 from policies.prefix_index import PrefixIndex, Run, Tail
 
 NAMES: Final[tuple[str, ...]] = (
@@ -1091,16 +1099,26 @@ class _Meridian(_Indexed):
             costs[i] = lowest
             i = rng.choice([i for i, c in enumerate(costs) if c <= bound])
         pick = ready[i]
-        queued = "?" if pick.telemetry is None else str(pick.telemetry.waiting)
-        hit = f"{matches[i] / blocks:.0%}" if blocks else "n/a"
-        return Decision(
-            node=pick.node_id,
-            reason=(
-                f"meridian: prefix {hit}, in flight {pick.in_flight}/{pick.slots},"
-                f" waiting {queued}, kv {_kv(pick)}, prefill ahead {pick.prefill_tokens}"
-            ),
+        return decision_later(
+            pick.node_id,
+            "meridian",
+            _meridian_reason,
+            pick,
+            matches[i],
+            blocks,
             expected_hit_tokens=matches[i] * request.block_tokens,
         )
+
+
+def _meridian_reason(pick: NodeView, matched: int, blocks: int) -> str:
+    """The ``meridian`` policy's reason for sending a request of ``blocks`` blocks to ``pick``,
+    which holds ``matched`` of them: written when read (``decision_later``)."""
+    queued = "?" if pick.telemetry is None else str(pick.telemetry.waiting)
+    hit = f"{matched / blocks:.0%}" if blocks else "n/a"
+    return (
+        f"meridian: prefix {hit}, in flight {pick.in_flight}/{pick.slots},"
+        f" waiting {queued}, kv {_kv(pick)}, prefill ahead {pick.prefill_tokens}"
+    )
 
 
 _FACTORIES: Final[dict[str, Callable[[RoutingConfig], Policy]]] = {

@@ -119,7 +119,7 @@ def describe(agent: Edge, node: Node) -> dict[str, Any]:
         "errors_total": node.errors_total,
         "health": agent.health.describe(node.node_id, now=now),
         "telemetry": agent.scraper.describe(node.node_id),
-        "recent_decisions": list(node.decisions),
+        "recent_decisions": [d.reason for d in node.decisions],
         "kv_events": None if agent.kv_events is None else agent.kv_events.describe(node.node_id),
     }
 

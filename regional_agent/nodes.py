@@ -27,7 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policies import health as health_policy
-from policies.model import AdminState, Health, NodeId, NodeView, NodeViews, Telemetry, node_view
+from policies.model import (
+    AdminState,
+    Decision,
+    Health,
+    NodeId,
+    NodeView,
+    NodeViews,
+    Telemetry,
+    node_view,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +140,10 @@ class Node:
     prefill_tokens: int = 0  # uncached prompt tokens of requests in flight without a first token
     requests_total: int = 0
     errors_total: int = 0
-    decisions: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
+    # the last 20 decisions to send it a request: their reasons are written when read (admin)
+    decisions: collections.deque[Decision] = field(
+        default_factory=lambda: collections.deque(maxlen=20)
+    )
 
     def endpoint(self, path: str) -> str:
         return f"{self.url}{path}"

@@ -857,9 +857,7 @@ async def _attempts(
                 return _relay_error(last), "none"
             raise last from None
         agent.instruments.record_queue_wait(lease.queue_wait_s, priority=parsed.view.priority)
-        agent.instruments.count_decision(
-            policy=lease.policy, reason=lease.decision.reason.split(":")[0]
-        )
+        agent.instruments.count_decision(policy=lease.policy, reason=lease.decision.tag)
         if span.is_recording():
             span.set_attributes(
                 {

@@ -321,8 +321,8 @@ class Dispatcher:
             )
         node = self._pool.get(target)
         if node is not None:
-            node.decisions.append(decision.reason)
-        self.stats.routed[decision.reason.split(":")[0]] += 1
+            node.decisions.append(decision)
+        self.stats.routed[decision.tag] += 1
         lease = Lease(
             node_id=target,
             decision=decision,

@@ -457,8 +457,8 @@ async def test_a_recovered_node_is_re_admitted_under_light_load_with_the_default
     node = pool.get(bad)
     assert node is not None and node.requests_total == before + 1  # its trial
     assert pool.health.state(bad, now=clock.now()) is Health.HEALTHY
-    decisions = [d for d in node.decisions if "probation trial" in d]
-    assert decisions, list(node.decisions)
+    decisions = [d for d in node.decisions if "probation trial" in d.reason]
+    assert decisions, [d.reason for d in node.decisions]
 
 
 # -- several workers: one probe of each node a round, shared ----------------------------------

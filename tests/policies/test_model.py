@@ -1,4 +1,5 @@
-"""policies.model: ``node_view`` makes the value ``NodeView(...)`` makes, and stays frozen."""
+"""policies.model: ``node_view`` makes the value ``NodeView(...)`` makes, and stays frozen;
+``decision_later`` writes its reason once, when first read, and is a ``Decision`` otherwise."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.model import AdminState, Health, NodeId, NodeView, Telemetry, node_view
+from policies.model import (
+    AdminState,
+    Decision,
+    Health,
+    NodeId,
+    NodeView,
+    Telemetry,
+    decision_later,
+    node_view,
+)
 
 _telemetry = st.none() | st.builds(
     Telemetry,
@@ -61,3 +71,35 @@ def test_a_node_view_stays_frozen() -> None:
     view = node_view(**{f.name: getattr(made, f.name) for f in dataclasses.fields(made)})
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.in_flight = 1  # type: ignore[misc]
+
+
+def test_a_later_reason_is_written_once_when_read_and_the_decision_is_a_decisions_value() -> None:
+    written: list[tuple[object, ...]] = []
+
+    def write(*args: object) -> str:
+        written.append(args)
+        return f"meridian: prefix {args[0]}, in flight {args[1]}"
+
+    later = decision_later(NodeId("n2"), "meridian", write, "50%", 3, expected_hit_tokens=32)
+    assert isinstance(later, Decision)
+    assert (later.node, later.expected_hit_tokens, later.trial) == ("n2", 32, False)
+    assert later.tag == "meridian"
+    assert written == []  # the tag, what the agent counts, writes nothing
+    assert later.reason == "meridian: prefix 50%, in flight 3"
+    assert later.reason == "meridian: prefix 50%, in flight 3"
+    assert written == [("50%", 3)]  # once
+    twin = decision_later(NodeId("n2"), "meridian", write, "50%", 3, expected_hit_tokens=32)
+    assert twin == later and hash(twin) == hash(later)
+    other = decision_later(NodeId("n2"), "meridian", write, "60%", 3, expected_hit_tokens=32)
+    assert other != later
+    claimed = dataclasses.replace(later, reason=f"sibling-claim: {later.reason}")
+    assert claimed.reason == "sibling-claim: meridian: prefix 50%, in flight 3"
+    assert claimed.tag == "sibling-claim"
+    assert (claimed.node, claimed.expected_hit_tokens) == ("n2", 32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        later.reason = "changed"  # type: ignore[misc]
+
+
+def test_a_decisions_tag_is_its_reason_up_to_the_first_colon() -> None:
+    assert Decision(node=None, reason="no candidates: every node is full").tag == "no candidates"
+    assert Decision(node=NodeId("n1"), reason="round_robin").tag == "round_robin"
