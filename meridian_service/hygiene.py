@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import ssl
 import time
 from collections.abc import Callable
@@ -314,6 +315,10 @@ class _Payload(Protocol):
     def set_exception(self, exc: BaseException) -> None: ...
 
 
+# A timer may fire this much before its time (uvloop's clock counts milliseconds): a deadline
+# that close is taken as reached, not waited for again
+_TIMER_RESOLUTION_S = 0.001
+
 # What a connection is doing, as far as reading requests goes.
 _NEW = "new"  # accepted, nothing received: the first request's header deadline runs
 _HEADERS = "headers"  # a request's first bytes arrived, not all its headers: header deadline
@@ -326,11 +331,17 @@ _CLOSING = "closing"  # a limit was hit: no further request on this connection
 class _Connection(web.RequestHandler):
     """aiohttp's protocol for one connection, with the deadlines of :class:`ConnectionLimits`.
 
-    One timer at a time, for the phase the connection is in (see the constants above).
+    The phase the connection is in (see the constants above) has one deadline, and one timer
+    waits for it, lazily: a phase that begins sets its deadline and leaves a timer that fires no
+    later alone; a timer that fires before the deadline is set again for it.  A timer is set at
+    most the shortest of the three timeouts ahead (``_step``), so the next phase's deadline is
+    never before it: a request on a kept-alive connection (idle, headers, busy, idle again) sets
+    no timer and cancels none, where each phase used to (two timers set and two cancelled a
+    request); a connection's timer fires about once every ``_step`` instead.
     """
 
-    __slots__ = ("_address", "_answered", "_body", "_clock", "_guard", "_phase", "_refused",
-                 "_timer")  # fmt: skip
+    __slots__ = ("_address", "_answered", "_body", "_clock", "_deadline", "_guard", "_phase",
+                 "_refused", "_step", "_timer", "_timer_at")  # fmt: skip
 
     def __init__(
         self,
@@ -348,7 +359,10 @@ class _Connection(web.RequestHandler):
         self._clock = loop
         self._address = ""
         self._phase = _NEW
+        self._deadline = math.inf  # the phase's, in the loop's time; none while busy
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf  # when the timer fires; never after the deadline
+        self._step = min(limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s)
         self._body: _Payload | None = None
         self._answered = 0
         self._refused = False
@@ -422,23 +436,44 @@ class _Connection(web.RequestHandler):
         if self._phase == _CLOSING:
             return
         if self._request_count > self._answered:
-            self._disarm()
+            self._deadline = math.inf  # busy: no deadline (a timer left fires and ends)
             self._phase = _BUSY
         else:
             self._arm(_IDLE, self._guard.limits.keepalive_timeout_s)
 
     def _arm(self, phase: str, delay_s: float) -> None:
-        self._disarm()
+        """Enter ``phase``, whose deadline is ``delay_s`` from now (the class docstring)."""
         self._phase = phase
-        self._timer = self._clock.call_later(delay_s, self._expired)
+        now = self._clock.time()
+        deadline = self._deadline = now + delay_s
+        if deadline < self._timer_at:  # no timer, or one that fires too late
+            self._set_timer(now, deadline)
+
+    def _set_timer(self, now: float, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        at = self._timer_at = min(deadline, now + self._step)
+        self._timer = self._clock.call_at(at, self._tick)
 
     def _disarm(self) -> None:
+        self._deadline = math.inf
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timer_at = math.inf
+
+    def _tick(self) -> None:
+        """The timer fired: the phase's time is up, or a timer is set again for its deadline,
+        or (busy) none."""
+        self._timer, self._timer_at = None, math.inf
+        now = self._clock.time()
+        if now + _TIMER_RESOLUTION_S >= self._deadline:
+            self._expired()
+        elif self._deadline < math.inf:
+            self._set_timer(now, self._deadline)
 
     def _expired(self) -> None:
-        self._timer = None
+        self._deadline = math.inf
         phase = self._phase
         if phase in (_NEW, _HEADERS):
             self._guard.timed_out("header", self._address)
