@@ -487,7 +487,18 @@ def test_the_workers_agree_on_every_node_s_slot_and_a_full_table_says_so(
     st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=50),
 )
 def test_prefix_records_survive_the_ring(node: str, start: int, hashes: list[int]) -> None:
-    assert decode(encode(node, hashes, start)) == (node, start, tuple(hashes))
+    record = encode(node, hashes, start)
+    assert decode(record) == (node, start, tuple(hashes))
+    assert decode(b"pad" + record, 3, len(record)) == (node, start, tuple(hashes))  # names kept
+
+
+def test_a_record_whose_node_is_not_utf8_is_refused_every_time() -> None:
+    good = encode("http://a:8000", [1, 2])
+    bad = good.replace(b"http://a:8000", b"http://\xff:8000")
+    for _ in range(2):  # the bad name is not remembered as a name
+        with pytest.raises(UnicodeDecodeError):
+            decode(bad)
+    assert decode(good) == ("http://a:8000", 0, (1, 2))
 
 
 def test_a_truncated_or_overlong_prefix_record_is_refused() -> None:
