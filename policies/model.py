@@ -254,6 +254,12 @@ class _ReasonLater(Decision):
     def tag(self) -> str:
         return self._tag
 
+    def __repr__(self) -> str:  # a Decision's, reason written: what logs and tests show
+        return (
+            f"Decision(node={self.node!r}, reason={self.reason!r}, "
+            f"expected_hit_tokens={self.expected_hit_tokens!r}, trial={self.trial!r})"
+        )
+
 
 _SET_LATER_TAG = _ReasonLater.__dict__["_tag"].__set__
 _SET_LATER_WRITE = _ReasonLater.__dict__["_write"].__set__

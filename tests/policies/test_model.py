@@ -87,6 +87,10 @@ def test_a_later_reason_is_written_once_when_read_and_the_decision_is_a_decision
     assert written == []  # the tag, what the agent counts, writes nothing
     assert later.reason == "meridian: prefix 50%, in flight 3"
     assert later.reason == "meridian: prefix 50%, in flight 3"
+    plain = Decision(
+        node=NodeId("n2"), reason="meridian: prefix 50%, in flight 3", expected_hit_tokens=32
+    )
+    assert repr(later) == repr(plain)
     assert written == [("50%", 3)]  # once
     twin = decision_later(NodeId("n2"), "meridian", write, "50%", 3, expected_hit_tokens=32)
     assert twin == later and hash(twin) == hash(later)
