@@ -91,6 +91,8 @@ def test_a_later_reason_is_written_once_when_read_and_the_decision_is_a_decision
         node=NodeId("n2"), reason="meridian: prefix 50%, in flight 3", expected_hit_tokens=32
     )
     assert repr(later) == repr(plain)
+    assert later == plain and plain == later and hash(later) == hash(plain)
+    assert later != dataclasses.replace(plain, trial=True)
     assert written == [("50%", 3)]  # once
     twin = decision_later(NodeId("n2"), "meridian", write, "50%", 3, expected_hit_tokens=32)
     assert twin == later and hash(twin) == hash(later)
