@@ -37,6 +37,13 @@ workers than the host has cores (up to 16), for what grows with N: each worker t
 N - 1 siblings' records, and N event loops take turns on the core (which separate cores would
 not), so the growth it shows is an upper bound for the sharing's.
 
+``--independent`` (the control, for N above 1) runs N agents of one worker each instead of one
+agent of N workers, each on a port of its own with its own wrk (``--connections`` / N
+connections, the questions of each its own): N processes that share nothing, no counts, no
+prefix records, no claims.  With ``--core-share``, what N of them serve against one agent is
+what N quota-held processes on these cores cost by themselves, so that N workers' ratio can be
+read against it: the gap between the two is the workers' sharing.
+
 ``--core-share F`` gives every worker process the same share of a core, on a host without a
 free core for each worker and one for wrk: each worker (with one worker, the agent's one
 process) goes into a cgroup of its own (the cgroup v1 ``cpu`` controller) with a CFS quota of
@@ -49,11 +56,12 @@ serves no request).  Needs a writable ``/sys/fs/cgroup/cpu`` (root); cgroup v2 h
 handled.
 
     python benchmarks/workers_throughput.py [--quick] [--workers 1,2] [--nodes static|sim]
-        [--one-core | --core-share F [--quota-period-ms 10] | --idle] [--policy meridian]
+        [--one-core | --core-share F [--quota-period-ms 10] | --idle] [--independent]
+        [--policy meridian]
         [--repeats 3] [--duration-s 10] [--connections 64] [--groups 8] [--prompt-words 300]
         [--out-dir DIR]
 
-Writes workers_throughput[_sim][_one_core|_core_share].json, .md and .png to
+Writes workers_throughput[_sim][_one_core|_core_share][_independent].json, .md and .png to
 benchmarks/results/; progress on stderr.  Needs ``wrk``, ``taskset`` and, for static nodes,
 ``nginx`` (Debian: ``apt-get install wrk util-linux nginx-light``).
 """
@@ -67,12 +75,14 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -91,7 +101,7 @@ _ONE_CORE_MAX = 16  # workers --one-core takes
 RESULTS = ROOT / "benchmarks" / "results"
 
 _LUA = r"""
-local counter = 0
+local counter = tonumber(os.getenv("BENCH_COUNTER_FROM") or "0")
 local model = os.getenv("BENCH_MODEL")
 local groups = tonumber(os.getenv("BENCH_GROUPS"))
 local headers = {["Content-Type"] = "application/json"}
@@ -235,8 +245,8 @@ class CoreShare:
         pids = [agent_pid] if workers == 1 else _children(agent_pid)
         if len(pids) != workers:
             raise RuntimeError(f"expected {workers} worker processes, found {pids}")
-        for i, pid in enumerate(pids):
-            group = self.ROOT / f"meridian-bench-{os.getpid()}-w{i}"
+        for pid in pids:
+            group = self.ROOT / f"meridian-bench-{os.getpid()}-w{len(self._groups)}"
             group.mkdir(exist_ok=True)
             (group / "cpu.cfs_period_us").write_text(str(self.period_us))
             (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
@@ -275,13 +285,18 @@ def _children(pid: int) -> list[int]:
 
 
 def start_agent(
-    workers: int, node_urls: Sequence[str], cpus: set[int], logdir: Path, policy: str = "meridian"
+    workers: int,
+    node_urls: Sequence[str],
+    cpus: set[int],
+    logdir: Path,
+    policy: str = "meridian",
+    name: str | None = None,
 ) -> ao.Child:
     argv = ["-m", "regional_agent.cli", "--port", "0", "--workers", str(workers),
             "--policy", policy, "--log-level", "WARNING"]  # fmt: skip
     for url in node_urls:
         argv += ["--node", url]
-    child = ao.spawn(f"agent-{workers}", argv, logdir)
+    child = ao.spawn(name or f"agent-{workers}", argv, logdir)
     po.pin(child.proc.pid, cpus)
     ao.wait_ready(child)
     po.pin(child.proc.pid, cpus)  # the workers and their threads, started since
@@ -299,51 +314,64 @@ def run_once(
     args: argparse.Namespace,
     logdir: Path,
 ) -> dict[str, Any]:
-    agent = start_agent(workers, nodes.urls, agent_cpus, logdir, policy=args.policy)
+    # the agent of N workers, or (--independent) N agents of one worker each
+    alone = args.independent and workers > 1
+    if alone:
+        agents = [
+            start_agent(1, nodes.urls, agent_cpus, logdir, args.policy, f"agent-1-of-{workers}-{i}")
+            for i in range(workers)
+        ]
+    else:
+        agents = [start_agent(workers, nodes.urls, agent_cpus, logdir, policy=args.policy)]
     share = CoreShare(args.core_share, args.quota_period_ms) if args.core_share else None
     try:
         if share is not None:
-            share.apply(agent.proc.pid, workers)
-        asyncio.run(_wait(agent.url, model))
+            for agent in agents:
+                share.apply(agent.proc.pid, 1 if alone else workers)
+        for agent in agents:
+            asyncio.run(_wait(agent.url, model))
         os.environ["BENCH_GROUPS"] = str(args.groups)  # the script's; rc.run_wrk passes it on
 
         def wrk(duration_s: float) -> dict[str, Any]:
-            return rc.run_wrk(
-                agent.url,
-                script=script,
-                model=model,
-                stream=False,
-                duration_s=duration_s,
-                connections=args.connections,
-            )
+            if not alone:
+                return rc.run_wrk(
+                    agents[0].url,
+                    script=script,
+                    model=model,
+                    stream=False,
+                    duration_s=duration_s,
+                    connections=args.connections,
+                )
+            return _wrk_each([a.url for a in agents], script, model, duration_s, args.connections)
 
         wrk(2.0)  # warm-up
         nodes.mark()
-        cpu0 = po.tree_cpu_s(agent.proc.pid)
+        cpu0 = sum(po.tree_cpu_s(a.proc.pid) for a in agents)
         nodes_cpu0 = sum(po.tree_cpu_s(p) for p in nodes.pids())
         wrk_cpu0 = _children_cpu_s()
         throttled0 = share.throttled() if share is not None else (0, 0.0)
         t0 = time.perf_counter()
         res = wrk(args.duration_s)
         elapsed = time.perf_counter() - t0
-        cpu = po.tree_cpu_s(agent.proc.pid) - cpu0
+        cpu = sum(po.tree_cpu_s(a.proc.pid) for a in agents) - cpu0
         nodes_cpu = sum(po.tree_cpu_s(p) for p in nodes.pids()) - nodes_cpu0
         wrk_cpu = _children_cpu_s() - wrk_cpu0  # wrk is the only child waited for meanwhile
         throttled1 = share.throttled() if share is not None else (0, 0.0)
         routing = nodes.routing()
-        relay = asyncio.run(_relay(agent.url)) if workers > 1 else None
+        relay = asyncio.run(_relay(agents[0].url)) if workers > 1 and not alone else None
     finally:
-        ao.stop_all([agent])
+        ao.stop_all(agents)
         if share is not None:
             share.remove()
     n = res["requests"]
     return {
         "workers": workers,
+        "independent": alone,
         "agent_cpus": sorted(agent_cpus),
         "shares_load_core": load_cpu in agent_cpus,
         "requests": n,
         "errors": res["status_errors"] + res["socket_errors"],
-        "requests_per_s": n / (res["duration_us"] / 1e6),
+        "requests_per_s": res.get("requests_per_s", n / (res["duration_us"] / 1e6)),
         "cpu_us_per_request": cpu / n * 1e6 if n else None,
         "cores_busy": cpu / elapsed,
         # wrk and the nodes: what the agent could not have where it shares their core
@@ -365,6 +393,52 @@ def run_once(
             if relay is not None and relay["sent"]
             else None
         ),
+    }
+
+
+_CONTROL = "N agents of one worker each, sharing nothing (the control); "
+_COUNTER_STRIDE = 1_000_000_000  # each wrk's questions start here times its index
+
+
+def _wrk_each(
+    urls: Sequence[str], script: Path, model: str, duration_s: float, connections: int
+) -> dict[str, Any]:
+    """One wrk a URL at once (``--independent``), each with its share of the connections and
+    questions of its own; their results summed: requests, errors, requests/s (each wrk's over
+    its own duration), and the highest of their p99s."""
+    each = max(1, connections // len(urls))
+
+    def one(i: int) -> dict[str, Any]:
+        env = {**os.environ, "BENCH_MODEL": model, "BENCH_STREAM": "0",
+               "BENCH_COUNTER_FROM": str(i * _COUNTER_STRIDE)}  # fmt: skip
+        argv = ["taskset", "-c", str(rc.LOAD_CPU), "wrk", "-t1", f"-c{each}",
+                f"-d{duration_s:g}s", "--timeout", "5s", "-s", str(script), urls[i]]  # fmt: skip
+        out = subprocess.run(argv, env=env, capture_output=True, text=True,
+                             timeout=duration_s + 30)  # fmt: skip
+        for line in out.stdout.splitlines():
+            if line.startswith("WRK_JSON "):
+                result: dict[str, Any] = json.loads(line.removeprefix("WRK_JSON "))
+                return result
+        raise SystemExit(
+            f"wrk printed no result (exit {out.returncode}):\n{out.stdout}{out.stderr}"
+        )
+
+    with ThreadPoolExecutor(len(urls)) as pool:
+        results = list(pool.map(one, range(len(urls))))
+    return sum_wrk(results)
+
+
+def sum_wrk(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several wrk results as one: counts summed, requests/s summed (each over its own
+    duration), the longest duration and the highest p50 and p99."""
+    return {
+        "requests": sum(r["requests"] for r in results),
+        "requests_per_s": sum(r["requests"] / (r["duration_us"] / 1e6) for r in results),
+        "duration_us": max(r["duration_us"] for r in results),
+        "status_errors": sum(r["status_errors"] for r in results),
+        "socket_errors": sum(r["socket_errors"] for r in results),
+        "p50_us": max(r["p50_us"] for r in results),
+        "p99_us": max(r["p99_us"] for r in results),
     }
 
 
@@ -600,7 +674,7 @@ def idle_cpu(args: argparse.Namespace, counts: list[int], cpus: Sequence[int]) -
     print("\n".join(lines))
     plt = rc._pyplot()
     if plt is None:
-        return
+        return 0
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([str(r["workers"]) for r in summary], [r["cpu_ms_per_s"]["median"] for r in summary])
     ax.set_xlabel("workers")
@@ -638,6 +712,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quota-period-ms", type=float, default=10.0)
     parser.add_argument("--idle", action="store_true", help="CPU with no traffic, by N")
+    parser.add_argument(
+        "--independent",
+        action="store_true",
+        help="the control: N agents of one worker each, sharing nothing, instead of N workers",
+    )
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -645,6 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.duration_s = 1, 5.0
     counts = [int(n) for n in args.workers.split(",")]
+    if args.independent and (args.idle or args.one_core):
+        parser.error("--independent: not with --idle or --one-core")
     if args.core_share is not None:
         if args.one_core:
             parser.error("--core-share: not with --one-core")
@@ -731,6 +812,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.policy}; wrk -t1 -c{args.connections} -d{args.duration_s:g}s, {args.groups} "
         f"system prompts of {args.prompt_words} words, {args.repeats} interleaved repeats; "
         f"{'every worker on one core; ' if args.one_core else ''}"
+        f"{_CONTROL if args.independent else ''}"
         f"{_share_text(args) if args.core_share else ''}"
         f"{mach['cpu_model'] or mach['arch']}, {len(cpus)} cores"
     )
@@ -746,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name += "_sim" if args.nodes == "sim" else ""
     name += "_one_core" if args.one_core else ""
     name += "_core_share" if args.core_share else ""
+    name += "_independent" if args.independent else ""
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = table(summary, nodes.measure, throttled=args.core_share is not None)
     md = [f"# meridian-agent --workers N ({subtitle})", "", *lines, ""]

@@ -1,6 +1,8 @@
 """benchmarks/workers_throughput.py's routing measure for static nodes: the prompt affinity,
 from the request ids each node logged (``g<prompt>-<n>``; the agent's own requests log none);
-and ``--core-share``'s cgroups, which hold each worker process to its share of a core."""
+and ``--core-share``'s cgroups, which hold each worker process to its share of a core (one
+group each, also over several agents: ``--independent``); and how ``--independent`` sums its wrk
+processes' results."""
 
 from __future__ import annotations
 
@@ -91,3 +93,44 @@ def test_core_share_refuses_a_quota_below_a_millisecond() -> None:
         pytest.skip("no cgroup v1 cpu controller here")
     with pytest.raises(SystemExit, match="1 ms or more"):
         workers_throughput.CoreShare(0.05, period_ms=10)
+
+
+def test_several_wrk_results_sum_as_one() -> None:
+    a = {"requests": 1000, "duration_us": 10_000_000, "status_errors": 1, "socket_errors": 0,
+         "p50_us": 2_000, "p99_us": 9_000}  # fmt: skip
+    b = {"requests": 600, "duration_us": 12_000_000, "status_errors": 0, "socket_errors": 2,
+         "p50_us": 3_000, "p99_us": 7_000}  # fmt: skip
+    total = workers_throughput.sum_wrk([a, b])
+    assert total["requests"] == 1600
+    assert total["requests_per_s"] == pytest.approx(100 + 50)  # each over its own duration
+    assert total["duration_us"] == 12_000_000
+    assert (total["status_errors"], total["socket_errors"]) == (1, 2)
+    assert (total["p50_us"], total["p99_us"]) == (3_000, 9_000)
+
+
+@pytest.mark.skipif(
+    not os.access(_CPU_CGROUP / "cgroup.procs", os.W_OK),
+    reason="needs a writable cgroup v1 cpu controller (root)",
+)
+def test_core_share_gives_each_of_several_agents_a_group_of_its_own() -> None:
+    # --independent applies the share once an agent: each process gets its whole quota (one
+    # group shared by both would hold them to half of it each)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    share = workers_throughput.CoreShare(0.3, period_ms=10)
+    try:
+        for p in spinners:
+            share.apply(p.pid, 1)
+        time.sleep(0.3)
+        before = [_cpu_s(p.pid) for p in spinners]
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        used = [_cpu_s(p.pid) - b for p, b in zip(spinners, before, strict=True)]
+        elapsed = time.monotonic() - t0
+        assert all(0.2 < u / elapsed < 0.4 for u in used), used
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+        time.sleep(0.2)
+        share.remove()
+    assert not list(_CPU_CGROUP.glob(f"meridian-bench-{os.getpid()}-w*"))
