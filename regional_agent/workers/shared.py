@@ -332,8 +332,15 @@ class LoadShare:
             if now - before >= RING or now < before:
                 scan = True
             else:
+                # the ring's entries of generations before + 1 .. now, read as one or two runs
                 ring = self._table.rings_at + worker * RING
-                slots.update(cells[ring + g % RING] for g in range(before + 1, now + 1))
+                first = ring + (before + 1) % RING
+                end = first + now - before
+                if end <= ring + RING:
+                    slots.update(cells[first:end])
+                else:
+                    slots.update(cells[first : ring + RING])
+                    slots.update(cells[ring : end - RING])
                 # it may have overwritten the oldest entry read (a writer stores the entry of
                 # its next generation before the generation)
                 if cells[1 + worker] - before >= RING:

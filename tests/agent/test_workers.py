@@ -17,6 +17,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -436,6 +437,35 @@ def test_a_sibling_that_laps_its_ring_makes_the_reader_compare_every_slot(
     for i in range(RING + 5):  # more writes than the ring names, all on node 4
         other.write(nodes[4], i % 3, i, 0)
     assert me.moved() == {nodes[0], nodes[4]}
+
+
+@given(
+    batches=st.lists(
+        st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=RING - 1),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_the_nodes_a_sibling_wrote_are_read_from_its_ring_across_its_end(
+    batches: list[list[int]],
+) -> None:
+    """Between two reads a sibling writes fewer entries than its ring holds, starting anywhere
+    in it: the reader names exactly the nodes written, whether the run of entries wraps past
+    the ring's end or not (no backstop: each read comes well within ``SCAN_EVERY_S``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lock_file = Path(tmp) / "slots.lock"
+        table = LoadTable(workers=2, slots=64)
+        me = LoadShare(table, worker=0, lock_file=lock_file)
+        nodes = [f"http://n{i}:8000" for i in range(10)]
+        for node in nodes:
+            assert me.totals(node) == (0, 0, 0)  # slotted here
+        assert me.moved() == set()
+        other = LoadShare(table, worker=1, lock_file=lock_file)
+        for batch in batches:
+            for n in batch:
+                other.write(nodes[n], 1, n, 0)
+            me._scanned_s = time.monotonic()  # this test reads the ring, not the backstop
+            assert me.moved() == {nodes[n] for n in batch}
 
 
 def test_a_write_whose_ring_entry_was_read_stale_is_found_by_the_timed_backstop(
