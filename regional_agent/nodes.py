@@ -186,6 +186,8 @@ class NodePool:
         self._health_moved = True  # since the last panic verdict
         self.shared: SharedLoad | None = None  # with several workers: their summed counts
         self._siblings_unwoken = False  # moved counts read by a decision: the queue is owed a wake
+        # with siblings: the nodes this worker's own counts moved since the views were last read
+        self._counted: set[NodeId] = set()
 
     # -- membership ------------------------------------------------------------------------
 
@@ -247,6 +249,8 @@ class NodePool:
 
     def observed(self, *, now: float) -> list[NodeView]:
         """Every node with its observed health (never adjusted for panic)."""
+        if self._counted:
+            self._redo_counted()
         views = self._views
         if len(views) == len(self._nodes) and now < self._views_until:
             return [views[node_id][0] for node_id in self._nodes]
@@ -399,8 +403,8 @@ class NodePool:
     def acquire(self, node_id: NodeId, *, tokens: int, prefill: int = 0) -> bool:
         """A request is sent to ``node_id``: ``tokens`` (prompt + max_tokens) in flight, of
         which ``prefill`` prompt tokens the node has to compute before its first token.  With
-        several workers, False (nothing counted, the node's view rebuilt) when a sibling took
-        the node's last slot since this worker's view of it."""
+        several workers, False (nothing counted, the node's view redone at the next read) when
+        a sibling took the node's last slot since this worker's view of it."""
         node = self._nodes[node_id]
         if self.shared is not None and not self.shared.reserve(
             node_id,
@@ -409,13 +413,13 @@ class NodePool:
             node.in_flight_tokens + tokens,
             node.prefill_tokens + prefill,
         ):
-            self._changed(node_id)
+            self._counted.add(node_id)
             return False
         node.in_flight += 1
         node.in_flight_tokens += tokens
         node.prefill_tokens += prefill
         node.requests_total += 1
-        self._changed(node_id)
+        self._moved_here(node_id)
         return True
 
     def first_token(self, node_id: NodeId, *, prefill: int) -> None:
@@ -427,7 +431,7 @@ class NodePool:
                 self.shared.write(
                     node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
                 )
-            self._changed(node_id)
+            self._moved_here(node_id)
 
     def release(self, node_id: NodeId, *, tokens: int, failed: bool, prefill: int = 0) -> None:
         """The request ended; ``prefill``: what is left of it (no first token was seen)."""
@@ -442,8 +446,20 @@ class NodePool:
                 self.shared.write(
                     node_id, node.in_flight, node.in_flight_tokens, node.prefill_tokens
                 )
-            self._changed(node_id)
+            self._moved_here(node_id)
         self._wake()
+
+    def _moved_here(self, node_id: NodeId) -> None:
+        """This agent's own accounting of ``node_id`` moved.  Alone, its view is redone now
+        (:meth:`_changed`), so that a decision finds the views ready.  With siblings, at the
+        next read of the views, with the nodes the siblings moved (:meth:`_read_siblings`):
+        a decision redoes those anyway (under load, most of the nodes this worker uses), and
+        a node's view is then redone once however often its counts moved in between (a
+        dispatch, a first token and a completion each moved it before)."""
+        if self.shared is None:
+            self._changed(node_id)
+        else:
+            self._counted.add(node_id)
 
     def siblings_moved(self) -> int:
         """Read what the other workers changed (``workers.share_interval_s``): their nodes'
@@ -467,13 +483,25 @@ class NodePool:
         how many of this pool's nodes moved."""
         assert self.shared is not None
         moved = 0
+        counted = self._counted
         for n in self.shared.moved():
             if n in self._nodes:
-                self._changed(NodeId(n))
+                counted.add(NodeId(n))
                 moved += 1
+        if counted:
+            self._redo_counted()
         if moved:
             self._siblings_unwoken = True
         return moved
+
+    def _redo_counted(self) -> None:
+        """Redo the views of the nodes whose counts moved since the last read (:meth:`_moved_here`,
+        :meth:`_read_siblings`), each once."""
+        nodes = self._nodes
+        for node_id in self._counted:
+            if node_id in nodes:
+                self._changed(node_id)
+        self._counted.clear()
 
     # -- change notification -------------------------------------------------------------------
 

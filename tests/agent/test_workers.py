@@ -360,6 +360,41 @@ def test_a_decision_reads_the_count_a_sibling_wrote_since_the_last_share_read(
     assert woken == [1]  # ... and the share loop owes the queue its wake
 
 
+@pytest.mark.parametrize("siblings", [True, False])
+def test_a_worker_s_own_moves_are_redone_once_at_the_next_read(
+    lock_file: Path, siblings: bool
+) -> None:
+    """With siblings, a dispatch, a first token and a completion leave the node's view to the
+    next read of the views, which redoes it once (a decision redoes the nodes the siblings
+    moved anyway); every read shows the counts as they are.  Alone, each move redoes it at
+    once, so that a decision finds the views ready."""
+    pool = NodePool()
+    if siblings:
+        pool.shared = LoadShare(LoadTable(workers=2, slots=16), worker=0, lock_file=lock_file)
+    node = NodeId("http://a:8000")
+    pool.add(Node(node_id=node, url=node, models=frozenset({MODEL})))
+    assert pool.views(now=0.0).by_id[node].in_flight == 0
+    built: list[NodeId] = []
+    view = pool._view
+
+    def counted(n: Node, *args: Any) -> Any:
+        built.append(n.node_id)
+        return view(n, *args)
+
+    pool._view = counted  # type: ignore[method-assign]
+    assert pool.acquire(node, tokens=100, prefill=40)
+    pool.first_token(node, prefill=40)
+    assert len(built) == (0 if siblings else 2)
+    views = pool.views(now=0.0)
+    assert (views.by_id[node].in_flight, views.by_id[node].prefill_tokens) == (1, 0)
+    assert len(built) == (1 if siblings else 2)
+    pool.release(node, tokens=100, failed=False)
+    assert [v.in_flight for v in pool.observed(now=0.0)] == [0]  # the admin API's read
+    assert len(built) == (2 if siblings else 3)
+    assert pool.views(now=0.0).by_id[node].in_flight == 0
+    assert len(built) == (2 if siblings else 3)  # nothing moved since
+
+
 async def test_the_share_loop_keeps_its_fast_pace_for_requests_waiting_for_a_slot(
     tmp_path: Path,
 ) -> None:
