@@ -5,11 +5,12 @@ Health and telemetry live with their owners (``health.HealthMonitor``,
 ``telemetry.Scraper``); :meth:`NodePool.views` joins all three into the frozen
 ``policies.model.NodeView`` snapshots that routing decides over.  The views are kept between
 requests, not rebuilt for each: a node's view is rebuilt when the agent's accounting of it moves
-(a dispatch, a first token, a completion), every view when :meth:`NodePool.notify` says
-something else changed (a scrape round, a health change, an admin action, membership), and a
-view whose health or telemetry changes by itself with time (an ejection that ends, a slow start
-that ramps, a sample that goes stale) when that time comes.  A view's ``telemetry.age_s`` is
-the sample's age when the view was built.  When fewer than
+(a dispatch, a first token, a completion: at once, or with sibling workers at the next read of
+the views, with the nodes the siblings moved, :meth:`NodePool._moved_here`), every view when
+:meth:`NodePool.notify` says something else changed (a scrape round, a health change, an admin
+action, membership), and a view whose health or telemetry changes by itself with time (an
+ejection that ends, a slow start that ramps, a sample that goes stale) when that time comes.
+A view's ``telemetry.age_s`` is the sample's age when the view was built.  When fewer than
 ``panic_threshold`` of the active nodes are healthy, the pool is in panic
 (``policies.health.panic``) and :meth:`NodePool.views` shows every active node as healthy;
 :meth:`NodePool.observed` and :meth:`NodePool.serving` always tell the observed health.  Entering
