@@ -167,9 +167,22 @@ def start_router(
 
 
 def run_wrk(
-    url: str, *, script: Path, model: str, stream: bool, duration_s: float, connections: int
+    url: str,
+    *,
+    script: Path,
+    model: str,
+    stream: bool,
+    duration_s: float,
+    connections: int,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    env = {**os.environ, "BENCH_MODEL": model, "BENCH_STREAM": "1" if stream else "0"}
+    """One wrk run against ``url``: its ``WRK_JSON`` result; ``env``: more for the script."""
+    env = {
+        **os.environ,
+        **(env or {}),
+        "BENCH_MODEL": model,
+        "BENCH_STREAM": "1" if stream else "0",
+    }
     argv = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}",
             f"-d{duration_s:g}s", "--timeout", "5s", "-s", str(script), url]  # fmt: skip
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=duration_s + 30)

@@ -75,7 +75,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -409,18 +408,14 @@ def _wrk_each(
     each = max(1, connections // len(urls))
 
     def one(i: int) -> dict[str, Any]:
-        env = {**os.environ, "BENCH_MODEL": model, "BENCH_STREAM": "0",
-               "BENCH_COUNTER_FROM": str(i * _COUNTER_STRIDE)}  # fmt: skip
-        argv = ["taskset", "-c", str(rc.LOAD_CPU), "wrk", "-t1", f"-c{each}",
-                f"-d{duration_s:g}s", "--timeout", "5s", "-s", str(script), urls[i]]  # fmt: skip
-        out = subprocess.run(argv, env=env, capture_output=True, text=True,
-                             timeout=duration_s + 30)  # fmt: skip
-        for line in out.stdout.splitlines():
-            if line.startswith("WRK_JSON "):
-                result: dict[str, Any] = json.loads(line.removeprefix("WRK_JSON "))
-                return result
-        raise SystemExit(
-            f"wrk printed no result (exit {out.returncode}):\n{out.stdout}{out.stderr}"
+        return rc.run_wrk(
+            urls[i],
+            script=script,
+            model=model,
+            stream=False,
+            duration_s=duration_s,
+            connections=each,
+            env={"BENCH_COUNTER_FROM": str(i * _COUNTER_STRIDE)},
         )
 
     with ThreadPoolExecutor(len(urls)) as pool:
