@@ -131,6 +131,11 @@ class PrefixIndex:
         """About what the index costs when full (``capacity_blocks * ENTRY_BYTES``)."""
         return self._capacity_blocks * ENTRY_BYTES
 
+    def positions(self, length: int) -> tuple[int, ...]:
+        """The block positions of a prompt of ``length`` blocks that the index keeps, ascending
+        (the class docstring's)."""
+        return self._positions(length)
+
     def _positions(self, length: int) -> tuple[int, ...]:
         """Indexed block positions of a prompt of ``length`` blocks: every one in the dense
         head, then every stride-th past it, and the last (kept by length: prompts repeat their

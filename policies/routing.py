@@ -253,6 +253,29 @@ class Policy(Protocol):
         ...
 
 
+SiblingTails = Callable[[Sequence[int], Sequence[int]], "tuple[NodeId, int] | None"]
+"""Given a prompt's block hashes and the indexed positions past the policy's own deepest match
+(ascending), the node of the deepest tail another worker of this agent sent there, and how many
+leading blocks it covers; None when none (``regional_agent.workers.shared.LoadShare``'s
+``deepest_tail``)."""
+
+
+def attach_sibling_tails(policy: Policy, lookup: SiblingTails) -> bool:
+    """Let ``policy`` ask ``lookup`` for what the other workers sent past its own index's
+    deepest match of a prompt, instead of being told every tail (``observe_relayed``); False
+    when the policy keeps no prefix index."""
+    if isinstance(policy, _Indexed):
+        policy.attach_sibling_tails(lookup)
+        return True
+    return False
+
+
+def prefix_positions(policy: Policy) -> Callable[[int], tuple[int, ...]] | None:
+    """The block positions ``policy``'s prefix index keeps of a prompt of a given length
+    (``PrefixIndex.positions``); None for a policy without one."""
+    return policy._index.positions if isinstance(policy, _Indexed) else None
+
+
 def attach_precise(policy: Policy, index: PreciseIndex) -> bool:
     """Let ``policy`` match prefixes in ``index`` for the nodes whose KV events feed it; False
     when the policy keeps no prefix index (it routes as before)."""
@@ -766,6 +789,25 @@ class _Indexed(_Base):
         )
         self._precise: PreciseIndex | None = None
         self._pending: PrefixIndex | None = None
+        self._sibling_tails: SiblingTails | None = None
+
+    def attach_sibling_tails(self, lookup: SiblingTails) -> None:
+        """Extend each match past its deepest node with ``lookup``'s answer
+        (:func:`attach_sibling_tails`)."""
+        self._sibling_tails = lookup
+
+    def _sibling_tail(self, hashes: Sequence[int], deepest: int) -> tuple[NodeId, int] | None:
+        """The node a sibling sent the prompt of ``hashes`` to deeper than ``deepest`` blocks,
+        and how deep; None when none did (or no lookup is attached)."""
+        lookup = self._sibling_tails
+        if lookup is None:
+            return None
+        positions = self._index.positions(len(hashes))
+        beyond = positions[bisect.bisect_left(positions, deepest) :]
+        if not beyond:
+            return None
+        found = lookup(hashes, beyond)
+        return found if found is not None and found[1] > deepest else None
 
     def attach_precise(self, index: PreciseIndex) -> None:
         """Match the nodes ``index`` calls precise there (their engines' KV events), and every
@@ -799,6 +841,10 @@ class _Indexed(_Base):
         nodes (or the prompts routed there within ``precise_pending_s``, whichever is deeper),
         from the approximate index for the others."""
         matched = self._index.match(hashes, now=now)
+        if self._sibling_tails is not None:
+            found = self._sibling_tail(hashes, max(matched.values(), default=0))
+            if found is not None:
+                matched[found[0]] = found[1]
         precise = self._precise
         if precise is None or not precise.any_precise:
             return matched
@@ -816,7 +862,20 @@ class _Indexed(_Base):
         without a precise one, else one run a node."""
         precise = self._precise
         if precise is None or not precise.any_precise:
-            return self._index.match_runs(hashes, now=now)
+            runs = self._index.match_runs(hashes, now=now)
+            if self._sibling_tails is None:
+                return runs
+            found = self._sibling_tail(hashes, max([d for d, _ in runs], default=0))
+            if found is None:
+                return runs
+            node = found[0]  # deepest now: its run first, and in no other
+            out: list[Run] = [(found[1], (node,))]
+            for depth, nodes in runs:
+                if node in nodes:
+                    nodes = tuple([n for n in nodes if n != node])
+                if nodes:
+                    out.append((depth, nodes))
+            return out
         return [(d, (n,)) for n, d in self._match(hashes, now).items()]
 
     def _matches(self, request: RequestView, ready: Sequence[NodeView], now: float) -> list[int]:

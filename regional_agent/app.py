@@ -192,6 +192,7 @@ def create_app(
             clock=clock,
             render_metrics=instruments.render,
             share_interval_s=settings.workers.share_interval_s,
+            prefix_ttl_s=config.prefix_ttl_s,
         )
         instruments.watch_prefix_relay(runtime.relay.counts)
         scraper.share = runtime.share  # one worker scrapes each node for all of them

@@ -493,7 +493,7 @@ class Instruments:
 
         def records_cb(_: CallbackOptions) -> Iterable[Observation]:
             now = counts()
-            return [Observation(now[d], {"direction": d}) for d in ("sent", "received")]
+            return [Observation(now[d], {"direction": d}) for d in ("sent", "shared", "received")]
 
         def lost_cb(_: CallbackOptions) -> Iterable[Observation]:
             now = counts()
@@ -502,8 +502,9 @@ class Instruments:
         meter.create_observable_counter(
             "meridian_agent_prefix_relay_records",
             callbacks=[records_cb],
-            description="Prefix records this worker sent its siblings (each to every one) and "
-            "received from them (--workers).",
+            description="Prefix records this worker sent its siblings through its ring (each "
+            "to every one), prompt tails it wrote to the shared table instead (shared), and "
+            "records it received from their rings (--workers).",
         )
         meter.create_observable_counter(
             "meridian_agent_prefix_relay_lost_records",

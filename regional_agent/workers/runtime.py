@@ -6,7 +6,10 @@
   sibling freed a slot;
 - its routed prompts go to the siblings' prefix indexes and theirs come into its own
   (:class:`~regional_agent.workers.siblings.PrefixRelay`: rings in shared memory, read before
-  every decision and at every turn of the share loop);
+  every decision and at every turn of the share loop), except the tails of prompts whose head
+  the siblings were told moments ago: those it writes once to the shared table, and its policy
+  asks the table for the siblings' tails of the prompt it decides
+  (``LoadShare.share_tail``, ``LoadShare.deepest_tail``; ``routing.attach_sibling_tails``);
 - an admin change it accepts (``POST``, ``PUT``, ``DELETE`` under ``/admin/``) is made on every
   sibling too, over their Unix sockets, before it answers;
 - its ``/metrics`` is every worker's, each sample labelled ``worker``;
@@ -23,13 +26,14 @@ the admin API takes in place of the admin token: the admin token itself is never
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import fcntl
 import hmac
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from meridian_service.clock import Clock
+from policies import routing
 from policies.model import NodeId
 from regional_agent.nodes import NodePool
 from regional_agent.queue import Dispatcher
@@ -54,6 +59,7 @@ SIBLING_SECRET = "X-Meridian-Worker-Secret"  # the supervisor's secret (module d
 MISSED = "X-Meridian-Workers-Missed"  # on an admin answer: the workers that did not take it
 _MUTATING = frozenset({"POST", "PUT", "DELETE"})
 _SIBLING_TIMEOUT_S = 5.0
+_PREFIX_TTL_S = routing.RoutingConfig().prefix_ttl_s  # the tails' when not given
 IDLE_SHARE_S = 0.1
 """The share loop's pace while no request waits for a slot (``WorkerRuntime.share_loop``): what
 it posts then is for the autoscaler, which reads it every few seconds."""
@@ -103,6 +109,7 @@ class WorkerRuntime:
         clock: Clock,
         render_metrics: Callable[[], bytes],
         share_interval_s: float,
+        prefix_ttl_s: float = _PREFIX_TTL_S,
     ) -> None:
         self.worker = worker
         self._pool = pool
@@ -114,11 +121,19 @@ class WorkerRuntime:
             worker.table, worker=worker.index, lock_file=worker.directory / "slots.lock"
         )
         pool.shared = self.share
+        self._ttl_s = prefix_ttl_s
+        self._positions: Callable[[int], tuple[int, ...]] | None = None
+        self._attached: routing.Policy | None = None  # the policy asking for the tails
         self.relay = PrefixRelay(
-            worker.rings, worker=worker.index, on_records=self._records, clock=clock.now
+            worker.rings,
+            worker=worker.index,
+            on_records=self._records,
+            clock=clock.now,
+            share_tail=self._share_tail,
         )
+        self._attach(dispatcher.policy)
         dispatcher.on_routed = self.relay.send
-        dispatcher.before_choosing = self.relay.take
+        dispatcher.before_choosing = self._before_choosing
         dispatcher.claims = self.share
         self._admin_lock = AsyncFileLock(worker.directory / "admin.lock")
 
@@ -172,6 +187,38 @@ class WorkerRuntime:
         """Every worker's waiting requests and arrivals, summed (``autoscaler.Demand``): the
         autoscaler of the worker that acts reads the load of all of them."""
         return self.share.demand(*self._dispatcher.demand())
+
+    def _before_choosing(self) -> None:
+        """Before each decision: the siblings' records taken in, and a policy switched to
+        since the last (``POST /admin/policy``) asks the shared table for their tails."""
+        policy = self._dispatcher.policy
+        if policy is not self._attached:
+            self._attach(policy)
+        self.relay.take()
+
+    def _attach(self, policy: routing.Policy) -> None:
+        self._attached = policy
+        self._positions = routing.prefix_positions(policy)
+        routing.attach_sibling_tails(policy, self._deepest_tail)
+
+    def _share_tail(self, node_id: str, hashes: Sequence[int], start: int) -> bool:
+        """A prompt's tail from block ``start`` on, written once to the shared table at the
+        policy's indexed positions; False (the ring carries it) without a prefix index."""
+        positions = self._positions
+        if positions is None:
+            return False
+        at = positions(len(hashes))
+        return self.share.share_tail(
+            node_id, hashes, at[bisect.bisect_left(at, start) :], self._ttl_s
+        )
+
+    def _deepest_tail(
+        self, hashes: Sequence[int], positions: Sequence[int]
+    ) -> tuple[NodeId, int] | None:
+        found = self.share.deepest_tail(hashes, positions, self._ttl_s)
+        if found is None or found[0] not in self._pool:
+            return None
+        return NodeId(found[0]), found[1]
 
     def _records(self, records: list[Record]) -> None:
         """Siblings sent prompts to these nodes, each of its hashes from its first block on

@@ -9,6 +9,8 @@ Layout (int64 cells, ``memoryview.cast("q")``)::
     [.. S]                   node keys: slot s holds the 63-bit key of one node id (0: free)
     [..]                     cells: slot s, worker w -> in_flight, tokens, prefill, version
     [.. CLAIMS * 3]          claims: block hash key, (node slot + 1) << 16 | worker, µs stamp
+    [.. (TAILS + 8) * 4]     prompt tails: a claim's entry and the prompt's length, kept for
+                             the prefix index's TTL
     [.. W * 2]               demand: each worker's queued requests, and its arrivals so far
     [.. W * 2]               exits: how often each worker died killed by a signal, and exiting
     [.. S * SAMPLE_FIELDS]   samples: slot s -> the node's last telemetry, whoever scraped it
@@ -57,6 +59,20 @@ two workers routing the same new prompt within the same microseconds can still p
 nodes; and a reader whose node chosen held less of the prompt than the sibling's index did can
 miss a claim that starts deeper.  Claims older than ``CLAIM_TTL_S`` are ignored (the relay has
 told everyone by then), and overwritten.
+
+Prompt tails are the part of a routed prompt after the head its node was matched on
+(``workers.siblings``: the head went to every sibling whole moments before).  A worker writes a
+tail once, here, at the prefix index's indexed positions from the tail's first block on
+(:meth:`LoadShare.share_tail`: one entry a position, as a claim's, at most ``_CLAIM_PROBES``
+tried), and a sibling's policy asks for the tails of the prompt it is deciding past its own
+index's deepest match (:meth:`LoadShare.deepest_tail`, attached by
+``policies.routing.attach_sibling_tails``): because hashes chain, a node that holds a deeper
+indexed block holds every one before, so a bisection over those positions finds the deepest in
+a few probes.  So taking the tails in costs a decision the same at any number of workers, where
+relaying them through the rings cost every sibling an insert of every tail (7 records a request
+at 8 workers, 31 at 32: docs/benchmarks.md, "Workers").  An entry names one node (the last
+writer's); tails older than the index's ``ttl_s`` are ignored, and the oldest of those tried
+is written over when none is free, so the table keeps the newest ``TAILS`` entries at most.
 
 Demand is what the autoscaler's load policy reads (``autoscaler.load``): each worker posts the
 requests waiting in its queue and its arrivals so far (:meth:`LoadShare.post_demand`, every
@@ -108,6 +124,9 @@ CLAIMS = 16384  # claim entries (module docstring): 384 KiB
 CLAIM_AT = (3, 7, 15, 31)  # the blocks claimed: a prompt's 4th, 8th, 16th, 32nd (of 16 tokens)
 CLAIM_TTL_S = 0.25  # a claim older than this is ignored (the relay says it in milliseconds)
 _CLAIM_PROBES = 8  # entries tried for a key, from its home entry on
+TAILS = 1 << 18  # prompt tail entries (module docstring): 8 MiB
+_TAIL_WIDTH = 4  # a tail entry: key, value (as a claim's), stamp, the prompt's length
+_TAIL_SPAN = _CLAIM_PROBES * _TAIL_WIDTH  # the cells of the entries tried for a key
 SAMPLE_VALUES = 12  # what a published sample may carry (the scraper says what they are)
 # a sample: sequence, scraped at (µs of the monotonic clock), the worker that scraped it, when
 # the node's owner last published one (µs), and its values as doubles (NaN: none)
@@ -123,6 +142,43 @@ _TAG_SHIFT = 40
 _TAG_MASK = (1 << 22) - 1
 _WORKER_BITS = 16
 _WORKER_MASK = (1 << _WORKER_BITS) - 1
+_VALUE_MASK = (1 << _TAG_SHIFT) - 1  # a value less its tag: node slot + 1, worker
+
+
+def _entry(cells: memoryview, base: int, count: int, key: int, expired: int) -> int:
+    """Where ``key``'s entry goes in the table of ``count`` entries at ``base``: its entry,
+    else a free one or one stamped before ``expired``, else the oldest of those tried."""
+    home = key % count
+    oldest_at, oldest = -1, 0
+    for i in range(_CLAIM_PROBES):
+        at = base + (home + i) % count * 3
+        held = cells[at + 2]
+        if cells[at] == key or held < expired:
+            return at
+        if oldest_at < 0 or held < oldest:
+            oldest_at, oldest = at, held
+    return oldest_at
+
+
+def _entry_of(cells: memoryview, base: int, count: int, key: int, oldest: int) -> int | None:
+    """Where ``key``'s entry is in the table at ``base``, unless stamped before ``oldest``,
+    read while written, or written by two workers at once; None then."""
+    home = key % count
+    for i in range(_CLAIM_PROBES):
+        at = base + (home + i) % count * 3
+        held = cells[at]
+        if held == 0:
+            return None  # never written: the probe ends (entries are never emptied)
+        stamp = cells[at + 2]
+        if held == key and stamp >= oldest:
+            value = cells[at + 1]
+            if (
+                cells[at + 2] == stamp  # not rewritten meanwhile
+                and cells[at] == key
+                and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
+            ):
+                return at
+    return None
 
 
 def node_key(node_id: str) -> int:
@@ -143,7 +199,9 @@ class LoadTable:
         self.keys_at = self.rings_at + workers * RING
         self.cells_at = self.keys_at + slots
         self.claims_at = self.cells_at + slots * workers * _FIELDS
-        self.demand_at = self.claims_at + CLAIMS * 3
+        self.tails_at = self.claims_at + CLAIMS * 3
+        # the entries tried for a key follow its home entry, past the last one too
+        self.demand_at = self.tails_at + (TAILS + _CLAIM_PROBES) * _TAIL_WIDTH
         self.exits_at = self.demand_at + workers * 2
         self.samples_at = self.exits_at + workers * 2
         self.probes_at = self.samples_at + slots * SAMPLE_FIELDS
@@ -560,38 +618,96 @@ class LoadShare:
         return node_id, depth
 
     def _claim_entry(self, key: int, stamp: int) -> int:
-        """Where ``key``'s claim goes: its entry, else a free or expired one, else the oldest
-        of those tried."""
-        cells, base = self._cells, self._table.claims_at
+        """Where ``key``'s claim goes (:func:`_entry`)."""
         expired = stamp - int(CLAIM_TTL_S * 1e6)
-        home = key % CLAIMS
-        oldest_at, oldest = -1, 0
-        for i in range(_CLAIM_PROBES):
-            at = base + (home + i) % CLAIMS * 3
-            held = cells[at + 2]
-            if cells[at] == key or held < expired:
-                return at
-            if oldest_at < 0 or held < oldest:
-                oldest_at, oldest = at, held
-        return oldest_at
+        return _entry(self._cells, self._table.claims_at, CLAIMS, key, expired)
 
     def _claim_value(self, key: int, oldest: int) -> int | None:
-        cells, base = self._cells, self._table.claims_at
-        home = key % CLAIMS
-        for i in range(_CLAIM_PROBES):
-            at = base + (home + i) % CLAIMS * 3
-            held = cells[at]
-            if held == 0:
-                return None  # never written: the probe ends (entries are never emptied)
-            stamp = cells[at + 2]
-            if held == key and stamp >= oldest:
-                value = cells[at + 1]
-                if (
-                    cells[at + 2] == stamp  # not rewritten meanwhile
-                    and cells[at] == key
-                    and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
-                ):
-                    return value & ((1 << _TAG_SHIFT) - 1)
+        at = _entry_of(self._cells, self._table.claims_at, CLAIMS, key, oldest)
+        return None if at is None else self._cells[at + 1] & _VALUE_MASK
+
+    # -- prompt tails --------------------------------------------------------------------------
+
+    def share_tail(
+        self, node_id: str, hashes: Sequence[int], positions: Sequence[int], ttl_s: float
+    ) -> bool:
+        """This worker sent a prompt of ``hashes`` to ``node_id``: write its blocks at
+        ``positions`` (the prefix index's, from the tail's first block on), each with the
+        prompt's length, for the siblings (module docstring).  False when the node has no slot
+        in the table."""
+        slot = self.slot(node_id)
+        if slot is None:
+            return False
+        cells, base = self._cells, self._table.tails_at
+        node = (slot + 1) << _WORKER_BITS | self._worker
+        stamp = time.monotonic_ns() // 1000 or 1
+        end = len(hashes)
+        for i in positions:
+            key = hashes[i] & _KEY_MASK or 1
+            at = base + key % TAILS * _TAIL_WIDTH  # the entries tried: from here, one slice
+            keys = cells[at : at + _TAIL_SPAN : _TAIL_WIDTH].tolist()
+            if key in keys:
+                at += keys.index(key) * _TAIL_WIDTH
+            else:  # the oldest of them (a free one is stamped 0)
+                stamps = cells[at + 2 : at + _TAIL_SPAN : _TAIL_WIDTH].tolist()
+                at += stamps.index(min(stamps)) * _TAIL_WIDTH
+            cells[at + 2] = 0  # first: a reader between these stores ignores the entry
+            cells[at] = key
+            cells[at + 1] = (key & _TAG_MASK) << _TAG_SHIFT | node
+            cells[at + 3] = end
+            cells[at + 2] = stamp
+        return True
+
+    def deepest_tail(
+        self, hashes: Sequence[int], positions: Sequence[int], ttl_s: float
+    ) -> tuple[str, int] | None:
+        """The node of the deepest tail written within ``ttl_s`` that covers a block of
+        ``hashes`` at one of ``positions``, and how many leading blocks it covers; None when
+        the bisection finds none.  ``positions`` ascend from past the caller's own deepest
+        match: the tails held there end at some position and go on unbroken before it, as
+        chained hashes do.  Where the prompt written there ended between two of ``positions``,
+        its last block (written too) is looked up: the match goes on to it when held (module
+        docstring)."""
+        oldest = time.monotonic_ns() // 1000 - int(ttl_s * 1e6)
+        found = end = 0
+        lo, hi = -1, len(positions)  # held at lo (or before the first), not at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            at = self._tail_at(hashes[positions[mid]] & _KEY_MASK or 1, oldest)
+            if at is None:
+                hi = mid
+            else:  # (a length read as rewritten names a block the check below misses)
+                lo, found, end = mid, self._cells[at + 1], self._cells[at + 3]
+        if lo < 0:
+            return None
+        depth = positions[lo] + 1
+        if depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi]):
+            at = self._tail_at(hashes[end - 1] & _KEY_MASK or 1, oldest)  # its last block
+            if at is not None:
+                depth, found = end, self._cells[at + 1]
+        node_id = self._by_slot.get(((found & _VALUE_MASK) >> _WORKER_BITS) - 1)
+        if node_id is None:
+            return None  # a node this worker has never counted: not in its pool
+        return node_id, depth
+
+    def _tail_at(self, key: int, oldest: int) -> int | None:
+        """Where ``key``'s tail entry is, unless stamped before ``oldest``, read while written,
+        or written by two workers at once; None then."""
+        cells = self._cells
+        at = self._table.tails_at + key % TAILS * _TAIL_WIDTH
+        keys = cells[at : at + _TAIL_SPAN : _TAIL_WIDTH].tolist()
+        if key not in keys:
+            return None
+        at += keys.index(key) * _TAIL_WIDTH
+        stamp = cells[at + 2]
+        value = cells[at + 1]
+        if (
+            stamp >= oldest
+            and cells[at + 2] == stamp  # not rewritten meanwhile
+            and cells[at] == key
+            and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
+        ):
+            return at
         return None
 
     def _scan(self) -> set[int]:

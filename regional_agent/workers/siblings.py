@@ -146,6 +146,7 @@ class PrefixRelay:
         on_records: Callable[[list[Record]], None],
         clock: Callable[[], float],
         full_every_s: float = FULL_EVERY_S,
+        share_tail: Callable[[str, Sequence[int], int], bool] | None = None,
     ) -> None:
         self._rings = rings
         self._worker = worker
@@ -153,13 +154,15 @@ class PrefixRelay:
         self._on_records = on_records
         self._clock = clock
         self._full_every_s = full_every_s
+        self._share_tail = share_tail
         cells = rings.cells
         # where this worker has read each sibling's ring to, and that ring's records up to there
         self._cursors = [cells[_CELLS * w] for w in range(rings.workers)]
         self._seen = [cells[_CELLS * w + 1] for w in range(rings.workers)]
         self._told: dict[tuple[str, int], float] = {}  # (node, a head's last hash): written whole
-        self.sent = 0  # records written (for every sibling)
-        self.tails = 0  # of them, records that left their head out
+        self.sent = 0  # records written to the ring (for every sibling)
+        self.tails = 0  # records that left their head out (to the ring or ``share_tail``)
+        self.shared = 0  # of those, tails given to ``share_tail``, not the ring
         self.received = 0
         self.overrun = 0  # records a sibling wrote that this worker read too late to take
         self.malformed = 0
@@ -169,6 +172,7 @@ class PrefixRelay:
         ``malformed``): the metrics' (``Instruments.watch_prefix_relay``)."""
         return {
             "sent": self.sent,
+            "shared": self.shared,
             "received": self.received,
             "overrun": self.overrun,
             "malformed": self.malformed,
@@ -199,6 +203,10 @@ class PrefixRelay:
         end = min(len(hashes), MAX_HASHES)  # the leading blocks: what a prefix match reads first
         if start >= end:
             return  # the siblings were told of all of it a moment ago
+        if start and self._share_tail is not None and self._share_tail(node_id, hashes, start):
+            self.tails += 1
+            self.shared += 1
+            return
         try:
             record = encode(node_id, hashes[start:end], start)
         except OverflowError:

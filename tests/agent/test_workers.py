@@ -257,6 +257,55 @@ def test_claims_of_one_node_by_two_siblings_cover_the_prompt_and_a_torn_entry_is
     assert me.claimed(first, 0) is None
 
 
+def test_a_sibling_s_prompt_tail_is_found_past_the_match_and_an_old_or_torn_one_is_not(
+    lock_file: Path,
+) -> None:
+    """A tail is written once at the positions it is given; a sibling's bisection over the
+    positions past its own match finds the deepest one written, whoever wrote it."""
+    table = LoadTable(workers=3, slots=16)
+    a, b = "http://a:8000", "http://b:8000"
+    turn = tuple(range(1, 41))  # a system prompt of 30 blocks, a conversation's first turn
+    later = (*turn, *range(500, 520))  # its next turn
+
+    def siblings() -> None:
+        one = LoadShare(table, worker=1, lock_file=lock_file)
+        assert one.share_tail(a, turn, range(30, 40), 120.0)
+        LoadShare(table, worker=2, lock_file=lock_file).share_tail(
+            b, (*range(1, 31), 900, 901), (30, 31), 120.0
+        )  # another question after the same system prompt
+
+    in_child(siblings)
+    me = LoadShare(table, worker=0, lock_file=lock_file)
+    me.slot(a)
+    me.slot(b)
+    assert me.deepest_tail(later, range(30, 60), 120.0) == (a, 40)
+    assert me.deepest_tail(turn, range(30, 40), 120.0) == (a, 40)
+    assert me.deepest_tail(later, range(40, 60), 120.0) is None  # past the tail: the new turn
+    assert me.deepest_tail((*range(1, 31), 900, 901, 902), range(30, 33), 120.0) == (b, 32)
+    assert me.deepest_tail(tuple(range(1000, 1040)), range(30, 40), 120.0) is None
+    # a stride past the dense head: the turn ended between two of the query's positions, and
+    # its last block (written, as the last of every prompt) is the query's too
+    assert me.deepest_tail(later, (31, 35, 43, 47, 51, 55, 59), 120.0) == (a, 40)
+    other_turn = (*turn[:38], 77, 78, *range(600, 620))  # left the turn at its 39th block
+    assert me.deepest_tail(other_turn, (31, 35, 43, 47, 51, 55, 59), 120.0) == (a, 36)
+    time.sleep(0.002)
+    assert me.deepest_tail(later, range(30, 60), 0.001) is None  # older than the index's TTL
+    # an entry two workers wrote at once: one's key and stamp, another key's value
+    cells = table.cells
+    at = next(
+        x for x in range(table.tails_at, table.tails_at + 4 * shared.TAILS, 4)
+        if cells[x] == turn[39]
+    )  # fmt: skip
+    other = next(
+        x for x in range(table.tails_at, table.tails_at + 4 * shared.TAILS, 4)
+        if cells[x] == 901
+    )  # fmt: skip
+    cells[at + 1] = cells[other + 1]
+    assert me.deepest_tail(later, range(30, 60), 120.0) == (a, 39)  # the block before it
+    unknown = LoadShare(table, worker=0, lock_file=lock_file)  # has slotted no node
+    assert unknown.deepest_tail(later, range(30, 60), 120.0) is None
+
+
 def _dispatcher(pool: NodePool, seed: int, **config: Any) -> Dispatcher:
     """A ``meridian`` dispatcher over ``pool``, seeded."""
     return Dispatcher(
@@ -608,7 +657,13 @@ def test_prefix_records_reach_every_sibling_and_a_long_prompt_keeps_its_head() -
             ("http://b:8000", 0, tuple(range(MAX_HASHES))),
         ]
     assert 0 not in got
-    assert relays[2].counts() == {"sent": 0, "received": 2, "overrun": 0, "malformed": 0}
+    assert relays[2].counts() == {
+        "sent": 0,
+        "shared": 0,
+        "received": 2,
+        "overrun": 0,
+        "malformed": 0,
+    }
 
 
 def test_a_ring_wraps_and_a_reader_a_ring_behind_counts_what_it_lost() -> None:
@@ -636,7 +691,13 @@ def test_a_ring_wraps_and_a_reader_a_ring_behind_counts_what_it_lost() -> None:
     writer.send("http://a:8000", (4, 5))
     reader.take()
     assert got[1][len(sent) :] == [("http://a:8000", 0, (4, 5))]
-    assert reader.counts() == {"sent": 0, "received": 401, "overrun": 41, "malformed": 0}
+    assert reader.counts() == {
+        "sent": 0,
+        "shared": 0,
+        "received": 401,
+        "overrun": 41,
+        "malformed": 0,
+    }
 
 
 def test_a_forked_worker_reads_the_records_its_sibling_writes() -> None:
@@ -695,9 +756,10 @@ def test_a_record_leaves_out_the_head_its_sender_sent_that_node_whole_moments_ag
 async def test_a_sibling_learns_whole_prompts_from_records_without_their_head(
     tmp_path: Path,
 ) -> None:
-    """Worker 0 routes questions after one system prompt, so most of its records leave the
-    head out; worker 1 takes them in before its next decision, and its policy matches each
-    whole prompt on the node it went to."""
+    """Worker 0 routes questions after one system prompt: the first two go whole through the
+    ring, the others' tails (the head left out) to the shared table.  Worker 1 takes the whole
+    ones in before its next decision, and its policy asks the table for the rest: it matches
+    each whole prompt on the node it went to."""
     table = LoadTable(workers=2, slots=16)
     rings = PrefixRings(workers=2)
     nodes = [NodeId("http://a:8000"), NodeId("http://b:8000")]
@@ -729,16 +791,24 @@ async def test_a_sibling_learns_whole_prompts_from_records_without_their_head(
         went.append(lease.node_id)
         lease.release()
     assert len(set(went)) == 1  # one agent's routing: the prompt stays on its node
-    assert first.relay.sent == 6 and first.relay.tails == 4  # the first two whole
+    assert first.relay.counts()["sent"] == 2  # the first two whole, through the ring
+    assert first.relay.tails == first.relay.counts()["shared"] == 4  # the table
     assert second.relay.received == 0  # nothing taken until it decides
     lease = await second._dispatcher.acquire(chat(106), tokens=31 * 16 + 1)
     assert (lease.node_id, lease.decision.expected_hit_tokens) == (went[0], 30 * 16)
     lease.release()
-    assert second.relay.received == 6
+    assert second.relay.received == 2
     policy, views = second._dispatcher.policy, second._pool.views(now=0.0)
     for tail in range(100, 106):
         decision = policy.choose(chat(tail), list(views), now=0.0, rng=random.Random(0))
         assert (decision.node, decision.expected_hit_tokens) == (went[0], 31 * 16), tail
+    # a policy switched to (``POST /admin/policy``) asks the table too, from its first decision
+    # (it learns the head from the next whole record, as any policy after a switch)
+    second._dispatcher.set_policy(routing.create("prefix_aware", routing.RoutingConfig()))
+    first.relay.send(went[0], chat(107).block_hashes)  # nothing matched: whole
+    lease = await second._dispatcher.acquire(chat(104), tokens=31 * 16 + 1)
+    assert (lease.node_id, lease.decision.expected_hit_tokens) == (went[0], 31 * 16)
+    lease.release()
     first.close()
     assert first._dispatcher.on_routed is None and first._dispatcher.before_choosing is None
 

@@ -975,3 +975,77 @@ def test_meridian_scores_each_candidate_by_its_documented_cost(
     else:  # a cost within the last bits of the bound: a tie or not, either is right
         near = {ready[i].node_id for i, c in enumerate(costs) if c <= bound + bits}
         assert decision.node in near, (costs, decision)
+
+
+class _TailTable:
+    """The shared table of prompt tails as a policy sees it (``routing.SiblingTails``): each
+    block written names the node its prompt went to and the prompt's length; a lookup bisects
+    the positions it is given for the deepest one written, and goes on to the written prompt's
+    last block when the query holds it too (``regional_agent.workers.shared.LoadShare``'s
+    ``deepest_tail``)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[NodeId, int]] = {}
+        self.asked = 0
+
+    def write(self, node_id: NodeId, hashes: Sequence[int], positions: Sequence[int]) -> None:
+        self.blocks.update((hashes[p], (node_id, len(hashes))) for p in positions)
+
+    def deepest(self, hashes: Sequence[int], positions: Sequence[int]) -> tuple[NodeId, int] | None:
+        self.asked += 1
+        lo, hi = -1, len(positions)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if hashes[positions[mid]] in self.blocks:
+                lo = mid
+            else:
+                hi = mid
+        if lo < 0:
+            return None
+        node_id, end = self.blocks[hashes[positions[lo]]]
+        depth = positions[lo] + 1
+        between = depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi])
+        if between and hashes[end - 1] in self.blocks:
+            return self.blocks[hashes[end - 1]][0], end
+        return node_id, depth
+
+
+@pytest.mark.parametrize("name", ["meridian", "prefix_aware"])
+@pytest.mark.parametrize("nodes", [4, 40])  # every node scored; a bounded set (meridian)
+def test_a_sibling_s_tail_from_the_table_decides_as_the_same_tail_relayed(
+    name: str, nodes: int
+) -> None:
+    """Conversations after one system prompt, their first turns routed by another worker:
+    a policy that asks the table for their tails past its own match decides each next turn as
+    a policy told every tail (``observe_relayed``), and a policy told neither does not."""
+    config = dataclasses.replace(CONFIG, prefix_dense_head_blocks=4, prefix_stride_blocks=4)
+    relayed, asking, blind = (routing.create(name, config) for _ in range(3))
+    table = _TailTable()
+    assert routing.attach_sibling_tails(asking, table.deepest)
+    positions = routing.prefix_positions(asking)
+    assert positions is not None
+    pool = NodeViews(node(f"n{i}", in_flight=i % 3) for i in range(nodes))
+    system = list(range(1, 41))  # 40 one-token blocks
+    head = blocks(*system)
+    for n in ("n0", "n1"):  # the system prompt, told whole (the ring) on two nodes
+        for policy in (relayed, asking, blind):
+            policy.observe_relayed([(NodeId(n), 0, head)], now=0.0)
+    turns = []
+    for c in range(12):  # first turns: a sibling sent each to some node, its tail shared
+        first = blocks(*system, *range(1000 + 100 * c, 1000 + 100 * c + 13))
+        went = NodeId(f"n{(c * 7) % nodes}")
+        relayed.observe_relayed([(went, len(head), first[len(head) :])], now=0.0)
+        at = positions(len(first))
+        table.write(went, first, [p for p in at if p >= len(head)])
+        turns.append((first, went))
+    for c, (first, went) in enumerate(turns):
+        later = req(
+            prompt_tokens=len(first) + 9,
+            block_hashes=blocks(*system, *range(1000 + 100 * c, 1000 + 100 * c + 13), *range(9)),
+            block_tokens=1,
+        )
+        decision = choose(relayed, later, pool, seed=c)
+        assert decision.node == went and decision.expected_hit_tokens == len(first), c
+        assert choose(asking, later, pool, seed=c) == decision, c
+        assert choose(blind, later, pool, seed=c).expected_hit_tokens == len(head), c
+    assert table.asked == len(turns)
