@@ -444,11 +444,12 @@ def _children_cpu_s() -> float:
 
 
 async def _relay(url: str) -> dict[str, float]:
-    """The prefix relay's counts from the agent's ``/metrics`` (every worker's): records sent,
-    received, and lost (any cause)."""
+    """The prefix relay's counts from the agent's ``/metrics`` (every worker's): records sent
+    through the rings, received, and lost (any cause), and prompt tails written to the shared
+    table instead (``shared``)."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
         text = await response.text()
-    out = {"sent": 0.0, "received": 0.0, "lost": 0.0}
+    out = {"sent": 0.0, "shared": 0.0, "received": 0.0, "lost": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "meridian_agent_prefix_relay_records_total":
