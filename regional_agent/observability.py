@@ -35,8 +35,9 @@ a node of the pool serves it, else ``other``: a name a client makes up never bec
   ``autoscaler``, ``dns:<name>``);
 - ``meridian_agent_prefix_relay_records_total{direction}`` and
   ``meridian_agent_prefix_relay_lost_records_total{cause}``: with ``--workers``, the prompts
-  a worker told its siblings and was told (``sent``, ``received``), and the siblings' records it
-  lost (``overrun``, ``malformed``);
+  a worker told its siblings through its ring and was told through theirs (``sent``,
+  ``received``), the prompt tails it wrote to the shared table instead (``shared``), and the
+  siblings' records it lost (``overrun``, ``malformed``);
 - ``meridian_agent_discovery_failures_total{source, cause}``: DNS discovery's resolutions that
   failed (``timeout``, ``servfail``, ``refused``, ``error``) or came back empty (``nxdomain``,
   ``nodata``); the nodes found last stay (regional_agent.discovery).

@@ -25,10 +25,14 @@ One event loop (a heap of timed events, ties in the order they were scheduled) d
 - **Workers** (``workers``): the agents of a region are instead the workers of one agent
   (``regional_agent.workers``).  A view's ``in_flight``, ``in_flight_tokens`` and
   ``prefill_tokens`` are summed over them, so ``slots`` caps the node's requests from all of
-  them; every routed prompt is observed by every worker's policy; and a request goes to a worker
-  by a hash of its index, not its session, as the kernel spreads connections.  The sharing is
-  instant here, as it nearly is in the agent, whose workers read each other's counts and
-  prefix records at every decision.
+  them; a routed prompt reaches the siblings' policies as the agent's prefix relay sends it
+  (:class:`_SiblingTails`): whole (``observe_relayed``) when nothing of it matched or its
+  worker has not sent that head whole for that node within ``FULL_EVERY_S``, else its tail to
+  the region's table of tails, which each sibling's policy asks past its own match
+  (``routing.attach_sibling_tails``); and a request goes to a worker by a hash of its index,
+  not its session, as the kernel spreads connections.  The sharing is instant here, as it
+  nearly is in the agent, whose workers read each other's counts, prefix records and tails at
+  every decision.
 - **The central queue**, one per agent, as ``regional_agent.queue.dispatcher``: a request is
   routed when it arrives if nobody waits ahead of it; otherwise, or when the policy finds no
   free slot, it waits, first come first served (traces carry one priority class), until a slot
@@ -66,9 +70,11 @@ Every request ends exactly once: finished by its node, or refused (``queue_full`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import heapq
+import math
 import random
 import time
 from collections import deque
@@ -323,8 +329,65 @@ class _Node:
         self.generation = 0  # of its orders: a cancelled order's ready event is stale
 
 
+FULL_EVERY_S: Final = 1.0  # the relay's (regional_agent.workers.siblings.FULL_EVERY_S)
+_TOLD_KEPT: Final = 16_384
+
+
+class _SiblingTails:
+    """The table of prompt tails a region's workers share, in virtual time, as
+    ``regional_agent.workers.shared.LoadShare`` keeps it (``share_tail``, ``deepest_tail``):
+    each block written names the node its prompt went to and the prompt's length (the last
+    writer's); a lookup bisects the positions it is given for the deepest one written within
+    ``ttl_s``, then goes on to that prompt's last block when the query holds it too.  Unbounded
+    here (the agent's keeps its newest 262,144 entries)."""
+
+    __slots__ = ("_blocks", "_ttl_s", "now")
+
+    def __init__(self, ttl_s: float) -> None:
+        self._blocks: dict[int, tuple[NodeId, int, float]] = {}
+        self._ttl_s = ttl_s
+        self.now = 0.0  # the simulator's, set before each decision
+
+    def write(self, node: NodeId, hashes: Sequence[int], positions: Sequence[int]) -> None:
+        end, now = len(hashes), self.now
+        self._blocks.update((hashes[p], (node, end, now)) for p in positions)
+
+    def _held(self, block: int) -> tuple[NodeId, int, float] | None:
+        found = self._blocks.get(block)
+        return found if found is not None and found[2] >= self.now - self._ttl_s else None
+
+    def deepest(self, hashes: Sequence[int], positions: Sequence[int]) -> tuple[NodeId, int] | None:
+        lo, hi = -1, len(positions)
+        found: tuple[NodeId, int, float] | None = None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            at = self._held(hashes[positions[mid]])
+            if at is None:
+                hi = mid
+            else:
+                lo, found = mid, at
+        if found is None:
+            return None
+        node, end, _ = found
+        depth = positions[lo] + 1
+        if depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi]):
+            last = self._held(hashes[end - 1])
+            if last is not None:
+                return last[0], end
+        return node, depth
+
+
 class _Region:
-    __slots__ = ("agents", "arrivals", "by_id", "finished", "kv_index", "nodes", "scaling")
+    __slots__ = (
+        "agents",
+        "arrivals",
+        "by_id",
+        "finished",
+        "kv_index",
+        "nodes",
+        "scaling",
+        "tails",
+    )
 
     def __init__(self, *, nodes: list[_Node]) -> None:
         self.nodes = nodes
@@ -336,6 +399,7 @@ class _Region:
         self.arrivals = 0  # since the autoscaler's last tick
         self.finished = 0  # requests its nodes finished, all the run (spill-over's rates)
         self.scaling = autoscaling.State()
+        self.tails: _SiblingTails | None = None  # with workers: the tails they share
 
 
 class _Agent:
@@ -353,6 +417,7 @@ class _Agent:
         "region",
         "rng",
         "scrape",
+        "told",
         "views",
     )
 
@@ -372,6 +437,8 @@ class _Agent:
         # the last scrape of each node: taken_s, running, waiting, kv_util
         self.scrape: list[tuple[float, int, int, float] | None] = [None] * n
         self.views: list[NodeView | None] = [None] * n  # cached; None: rebuild
+        # with workers: (node, a head's last hash) -> when this worker last sent it whole
+        self.told: dict[tuple[NodeId, int], float] = {}
 
 
 def _stable_hash(text: str) -> int:
@@ -529,6 +596,10 @@ class Fleet:
                 )
                 if region.kv_index is not None:
                     routing.attach_precise(agent.policy, region.kv_index)
+                if cfg.workers and routing.learns_prefixes(agent.policy):
+                    if region.tails is None:
+                        region.tails = _SiblingTails(cfg.routing.prefix_ttl_s)
+                    routing.attach_sibling_tails(agent.policy, region.tails.deepest)
                 region.agents.append(agent)
                 self._agents.append(agent)
                 if not cfg.fresh:  # its own generator: staleness must not reseed routing
@@ -818,6 +889,8 @@ class Fleet:
         request = self._request_view(i)
         views = self._node_views(agent, now)
         self.num_decisions += 1
+        if agent.region.tails is not None:
+            agent.region.tails.now = now
         decision = agent.policy.choose(request, views, now=now, rng=agent.rng)
         if decision.node is None:
             return False
@@ -829,11 +902,9 @@ class Fleet:
         agent.prefill[str(i)] = pending
         agent.prefill_tokens[pos] += pending
         self._counted(agent, pos)
-        if self.config.workers:
-            for sibling in agent.region.agents:
-                sibling.policy.observe_routed(request, decision.node, now=now)
-        else:
-            agent.policy.observe_routed(request, decision.node, now=now)
+        agent.policy.observe_routed(request, decision.node, now=now)
+        if self.config.workers and request.block_hashes:
+            self._relay(agent, request, decision.node, decision.expected_hit_tokens, now)
         self._dispatched[i] = now
         self._node_of[i] = node.index
         if self._overhead_s > 0:
@@ -841,6 +912,36 @@ class Fleet:
         else:
             self._engine_add(i, now)
         return True
+
+    def _relay(
+        self, agent: _Agent, request: RequestView, node: NodeId, hit_tokens: int, now: float
+    ) -> None:
+        """Tell ``agent``'s siblings where the prompt went, as the agent's prefix relay does
+        (``regional_agent.workers.siblings.PrefixRelay.send``): whole, or its tail past the head
+        the policy matched on the node when this worker sent that head whole for that node less
+        than ``FULL_EVERY_S`` ago, to the region's table."""
+        hashes = request.block_hashes
+        matched = hit_tokens // request.block_tokens
+        start = 0
+        if matched > 0:
+            key = (node, hashes[min(matched, len(hashes)) - 1])
+            if now - agent.told.get(key, -math.inf) < FULL_EVERY_S:
+                start = matched
+            else:
+                if len(agent.told) >= _TOLD_KEPT:
+                    agent.told.clear()
+                agent.told[key] = now
+        if start >= len(hashes):
+            return
+        tails = agent.region.tails
+        positions = routing.prefix_positions(agent.policy)
+        if start and tails is not None and positions is not None:
+            at = positions(len(hashes))
+            tails.write(node, hashes, at[bisect.bisect_left(at, start) :])
+            return
+        for sibling in agent.region.agents:
+            if sibling is not agent:
+                sibling.policy.observe_relayed([(node, 0, hashes)], now=now)
 
     def _scrape(self, a: int, now: float) -> None:
         """Agent ``a`` scrapes every node of its region (the engines all its peers share)."""

@@ -29,6 +29,15 @@ and this worker wrote that head for that node whole less than ``full_every_s`` (
 siblings' claims on the head are then at most that much older than on the tail, which the
 index allows (``policies.prefix_index``).
 
+Such a tail does not go to the ring when ``share_tail`` is given (the runtime gives it with a
+policy that keeps a prefix index): it is written once to a table in the load table's mapping,
+and each sibling's policy asks that table for the tails of the prompt it is deciding, past its
+own index's deepest match (``workers.shared``, "Prompt tails").  Taking the tails in then costs
+a decision two or three probes of the table at any number of workers, where through the ring
+every sibling decoded and inserted every tail (7 records a request at 8 workers, 31 at 32).
+Whole records (a new prompt, or a head not written whole for that node within the second)
+still go through the ring.
+
 A ring is ``RING_BYTES`` of frames, each a ``u32`` length and a record; a frame that does not
 fit before the ring's end is written at its start, after a wrap mark (``u32`` all ones) where
 four bytes are left.  Three ``int64`` cells per worker, at the mapping's start: the bytes it

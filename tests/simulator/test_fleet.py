@@ -335,9 +335,10 @@ def test_every_worker_learns_where_each_prompt_went() -> None:
     apart.run()
 
     def known(sim: Fleet, i: int) -> list[dict[NodeId, int]]:
-        """What each agent's prefix index says of request ``i``'s prompt: node -> blocks."""
+        """What each agent's policy matches of request ``i``'s prompt: node -> blocks (its
+        prefix index's, and with workers the deepest tail of the region's table past it)."""
         view = sim._request_view(i)
-        return [a.policy._index.match(view.block_hashes, now=0.0) for a in sim._agents]  # type: ignore[attr-defined]
+        return [a.policy._match(view.block_hashes, 0.0) for a in sim._agents]  # type: ignore[attr-defined]
 
     # in the shared run the workers' indexes agree on every prompt; apart they do not
     assert all(all(k == known(shared, i)[0] for k in known(shared, i)) for i in range(40))
