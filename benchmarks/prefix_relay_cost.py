@@ -11,11 +11,16 @@ writers (``PrefixRelay.send``) and one reader (``PrefixRelay.take``) whose recor
 ``observe_relayed``).  Prompts as in ``workers_throughput.py``: one of 8
 system prompts of 24 blocks and 2 blocks of their own, sent to one of 2 nodes.  Two kinds of
 record: ``whole`` (nothing matched: 26 blocks) and ``tail`` (the 24-block head matched on the
-node and written whole a moment before: 2 blocks).  Each stage is timed over ``--records``
+node and written whole a moment before: 2 blocks).  And since 2026-12-06 the agent's own path
+for such a tail, ``table``: written once to the workers' shared table
+(``LoadShare.share_tail`` at the policy's indexed positions), and asked for once a decision by
+the deciding worker's policy past its own match (the policy's lookup of
+``routing.attach_sibling_tails``, timed on the next prompt of the stream: a new question after
+a known head, which the table does not hold).  Each stage is timed over ``--records``
 records (``perf_counter``); the reader takes after every 7 records, as one decision would after
 a round of its siblings'.  The index fills to its bound (200,000 entries) and evicts in the
 longer runs, as a loaded agent's does.  What a worker spends a request at N workers is one
-write plus N - 1 reads and inserts.
+write plus N - 1 reads and inserts through the rings, one write and one lookup with the table.
 
     python benchmarks/prefix_relay_cost.py [--quick] [--records 40000] [--out-dir DIR]
 
@@ -25,10 +30,12 @@ Writes prefix_relay_cost.json, .md and .png to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import platform
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,12 +48,19 @@ import router_cpu as rc
 
 from policies import routing
 from policies.model import NodeId
+from regional_agent.workers.shared import LoadShare, LoadTable
 from regional_agent.workers.siblings import PrefixRelay, PrefixRings, Record
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 HEAD, TAIL, HEADS, SIBLINGS = 24, 2, 8, 7
 NODES = ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+WORKERS = (2, 4, 8, 16, 32)
+_LABELS = {
+    "whole": "whole records, rings (N - 1 reads and inserts)",
+    "tail": "tails, rings (N - 1 reads and inserts)",
+    "table": "tails, shared table (one write, one lookup)",
+}
 
 
 def measure(kind: str, records: int, seed: int) -> dict[str, float]:
@@ -96,20 +110,73 @@ def measure(kind: str, records: int, seed: int) -> dict[str, float]:
     }
 
 
-def per_request(stages: dict[str, float], workers: int) -> float:
+def measure_table(records: int, seed: int) -> dict[str, float]:
+    """µs of a tail written to the shared table, and of a decision's lookup there."""
+    policy = routing.create("meridian", routing.RoutingConfig())
+    ttl_s = routing.RoutingConfig().prefix_ttl_s
+    positions = routing.prefix_positions(policy)
+    assert positions is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        table = LoadTable(workers=SIBLINGS + 1, slots=16)
+        shares = [
+            LoadShare(table, worker=w, lock_file=Path(tmp) / "slots.lock")
+            for w in range(SIBLINGS + 1)
+        ]
+    for share in shares:
+        for node in NODES:
+            share.slot(node)  # as the pool's views slot every node
+    reader = shares[0]
+
+    def lookup(hashes: Sequence[int], at: Sequence[int]) -> tuple[NodeId, int] | None:
+        found = reader.deepest_tail(hashes, at, ttl_s)  # WorkerRuntime._deepest_tail
+        return None if found is None else (NodeId(found[0]), found[1])
+
+    routing.attach_sibling_tails(policy, lookup)
+    rng = random.Random(seed)
+    heads = [tuple(rng.getrandbits(64) for _ in range(HEAD)) for _ in range(HEADS)]
+    for head in heads:  # the heads went whole through the rings
+        for node in NODES:
+            policy.observe_relayed([(NodeId(node), 0, head)], now=time.monotonic())
+    writing = looking = 0.0
+    lookups = 0
+    for i in range(records):
+        hashes = (*heads[i % HEADS], *(rng.getrandbits(64) for _ in range(TAIL)))
+        t0 = time.perf_counter()
+        at = positions(len(hashes))  # WorkerRuntime._share_tail
+        shares[1 + i % SIBLINGS].share_tail(
+            NODES[i % 2], hashes, at[bisect.bisect_left(at, HEAD) :], ttl_s
+        )
+        t1 = time.perf_counter()
+        writing += t1 - t0
+        if i % SIBLINGS == SIBLINGS - 1:  # a decision of the reader's, on a new question
+            query = (*heads[(i + 1) % HEADS], *(rng.getrandbits(64) for _ in range(TAIL)))
+            t2 = time.perf_counter()
+            policy._sibling_tail(query, HEAD)  # type: ignore[attr-defined]
+            looking += time.perf_counter() - t2
+            lookups += 1
+    return {
+        "write_us": writing / records * 1e6,
+        "read_us": looking / lookups * 1e6,  # a decision's lookup
+        "insert_us": 0.0,
+    }
+
+
+def per_request(stages: dict[str, float], workers: int, kind: str = "") -> float:
     """A request's relay cost at ``workers`` workers: its record written once, then read and
-    inserted by each sibling."""
+    inserted by each sibling; with the table, written once and looked up once."""
+    if kind == "table":
+        return stages["write_us"] + (stages["read_us"] if workers > 1 else 0.0)
     return stages["write_us"] + (workers - 1) * (stages["read_us"] + stages["insert_us"])
 
 
 def table(result: dict[str, Any]) -> list[str]:
     lines = [
-        "| record | write, µs | read and decode, µs | insert, µs "
-        "| a request at 2 / 4 / 8 workers, µs |",
+        "| record | write, µs | read and decode (table: a decision's lookup), µs | insert, µs "
+        "| a request at 2 / 4 / 8 / 16 / 32 workers, µs |",
         "|---|---|---|---|---|",
     ]
     for kind, s in result["kinds"].items():
-        at = " / ".join(f"{per_request(s, n):.1f}" for n in (2, 4, 8))
+        at = " / ".join(f"{per_request(s, n, kind):.1f}" for n in WORKERS)
         lines.append(
             f"| {kind} | {s['write_us']:.2f} | {s['read_us']:.2f} | {s['insert_us']:.2f} | {at} |"
         )
@@ -121,22 +188,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    workers = [2, 4, 8]
-    width = 0.38
     for k, (kind, s) in enumerate(result["kinds"].items()):
-        xs = [i + (k - 0.5) * width for i in range(len(workers))]
-        write = [s["write_us"] for _ in workers]
-        read = [(n - 1) * s["read_us"] for n in workers]
-        insert = [(n - 1) * s["insert_us"] for n in workers]
-        ax.bar(xs, write, width, label=f"{kind}: write", color=f"C{3 * k}")
-        ax.bar(xs, read, width, bottom=write, label=f"{kind}: read", color=f"C{3 * k + 1}")
-        bottom = [a + b for a, b in zip(write, read, strict=True)]
-        ax.bar(xs, insert, width, bottom=bottom, label=f"{kind}: insert", color=f"C{3 * k + 2}")
-    ax.set_xticks(range(len(workers)), [f"{n} workers" for n in workers])
-    ax.set_ylabel("relay CPU per request, µs")
+        ys = [per_request(s, n, kind) for n in WORKERS]
+        ax.plot(WORKERS, ys, marker="o", color=f"C{k}", label=_LABELS.get(kind, kind))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(WORKERS, [str(n) for n in WORKERS])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("relay CPU per request, µs (each worker's share)")
     ax.legend(fontsize=8)
     fig.suptitle(
-        f"prefix relay per request, whole records and tails\n{result['machine']}", fontsize=9
+        f"prefix relay per request: whole records, tails through the rings, tails in the "
+        f"table\n{result['machine']}",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -151,8 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     records = 5_000 if args.quick else args.records
     kinds = {}
-    for kind in ("whole", "tail"):
-        kinds[kind] = measure(kind, records, args.seed)
+    for kind in ("whole", "tail", "table"):
+        kinds[kind] = (
+            measure_table(records, args.seed)
+            if kind == "table"
+            else measure(kind, records, args.seed)
+        )
         print(
             f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds[kind].items()), file=sys.stderr
         )

@@ -145,42 +145,6 @@ _WORKER_MASK = (1 << _WORKER_BITS) - 1
 _VALUE_MASK = (1 << _TAG_SHIFT) - 1  # a value less its tag: node slot + 1, worker
 
 
-def _entry(cells: memoryview, base: int, count: int, key: int, expired: int) -> int:
-    """Where ``key``'s entry goes in the table of ``count`` entries at ``base``: its entry,
-    else a free one or one stamped before ``expired``, else the oldest of those tried."""
-    home = key % count
-    oldest_at, oldest = -1, 0
-    for i in range(_CLAIM_PROBES):
-        at = base + (home + i) % count * 3
-        held = cells[at + 2]
-        if cells[at] == key or held < expired:
-            return at
-        if oldest_at < 0 or held < oldest:
-            oldest_at, oldest = at, held
-    return oldest_at
-
-
-def _entry_of(cells: memoryview, base: int, count: int, key: int, oldest: int) -> int | None:
-    """Where ``key``'s entry is in the table at ``base``, unless stamped before ``oldest``,
-    read while written, or written by two workers at once; None then."""
-    home = key % count
-    for i in range(_CLAIM_PROBES):
-        at = base + (home + i) % count * 3
-        held = cells[at]
-        if held == 0:
-            return None  # never written: the probe ends (entries are never emptied)
-        stamp = cells[at + 2]
-        if held == key and stamp >= oldest:
-            value = cells[at + 1]
-            if (
-                cells[at + 2] == stamp  # not rewritten meanwhile
-                and cells[at] == key
-                and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
-            ):
-                return at
-    return None
-
-
 def node_key(node_id: str) -> int:
     """A node id's key in the table: 63 bits of its BLAKE2b, never 0 (a free slot)."""
     digest = hashlib.blake2b(node_id.encode("utf-8"), digest_size=8).digest()
@@ -618,13 +582,39 @@ class LoadShare:
         return node_id, depth
 
     def _claim_entry(self, key: int, stamp: int) -> int:
-        """Where ``key``'s claim goes (:func:`_entry`)."""
+        """Where ``key``'s claim goes: its entry, else a free or expired one, else the oldest
+        of those tried."""
+        cells, base = self._cells, self._table.claims_at
         expired = stamp - int(CLAIM_TTL_S * 1e6)
-        return _entry(self._cells, self._table.claims_at, CLAIMS, key, expired)
+        home = key % CLAIMS
+        oldest_at, oldest = -1, 0
+        for i in range(_CLAIM_PROBES):
+            at = base + (home + i) % CLAIMS * 3
+            held = cells[at + 2]
+            if cells[at] == key or held < expired:
+                return at
+            if oldest_at < 0 or held < oldest:
+                oldest_at, oldest = at, held
+        return oldest_at
 
     def _claim_value(self, key: int, oldest: int) -> int | None:
-        at = _entry_of(self._cells, self._table.claims_at, CLAIMS, key, oldest)
-        return None if at is None else self._cells[at + 1] & _VALUE_MASK
+        cells, base = self._cells, self._table.claims_at
+        home = key % CLAIMS
+        for i in range(_CLAIM_PROBES):
+            at = base + (home + i) % CLAIMS * 3
+            held = cells[at]
+            if held == 0:
+                return None  # never written: the probe ends (entries are never emptied)
+            stamp = cells[at + 2]
+            if held == key and stamp >= oldest:
+                value = cells[at + 1]
+                if (
+                    cells[at + 2] == stamp  # not rewritten meanwhile
+                    and cells[at] == key
+                    and value >> _TAG_SHIFT == key & _TAG_MASK  # not another key's value
+                ):
+                    return value & ((1 << _TAG_SHIFT) - 1)
+        return None
 
     # -- prompt tails --------------------------------------------------------------------------
 
