@@ -63,12 +63,15 @@ told everyone by then), and overwritten.
 Prompt tails are the part of a routed prompt after the head its node was matched on
 (``workers.siblings``: the head went to every sibling whole moments before).  A worker writes a
 tail once, here, at the prefix index's indexed positions from the tail's first block on
-(:meth:`LoadShare.share_tail`: one entry a position, as a claim's, at most ``_CLAIM_PROBES``
-tried), and a sibling's policy asks for the tails of the prompt it is deciding past its own
-index's deepest match (:meth:`LoadShare.deepest_tail`, attached by
+(:meth:`LoadShare.share_tail`: an entry a position, a claim's entry and the prompt's length;
+the ``_CLAIM_PROBES`` entries tried for a key follow its home entry and are read as one slice),
+and a sibling's policy asks for the tails of the prompt it is deciding past its own index's
+deepest match (:meth:`LoadShare.deepest_tail`, attached by
 ``policies.routing.attach_sibling_tails``): because hashes chain, a node that holds a deeper
 indexed block holds every one before, so a bisection over those positions finds the deepest in
-a few probes.  So taking the tails in costs a decision the same at any number of workers, where
+a few probes; where the prompt written there ended before the query's next indexed position,
+one more probe, of that prompt's last block (written too: an index keeps a prompt's last
+block), says whether the query goes on as far.  So taking the tails in costs a decision the same at any number of workers, where
 relaying them through the rings cost every sibling an insert of every tail (7 records a request
 at 8 workers, 31 at 32: docs/benchmarks.md, "Workers").  An entry names one node (the last
 writer's); tails older than the index's ``ttl_s`` are ignored, and the oldest of those tried
