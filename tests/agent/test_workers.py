@@ -306,6 +306,40 @@ def test_a_sibling_s_prompt_tail_is_found_past_the_match_and_an_old_or_torn_one_
     assert unknown.deepest_tail(later, range(30, 60), 120.0) is None
 
 
+@given(
+    writes=st.lists(
+        st.tuples(
+            # keys whose home entries are the table's last ones: their entries tried run past
+            # its end, into the entries kept after it; and some anywhere
+            st.sampled_from([shared.TAILS * k - d for k in (1, 2, 3) for d in (1, 2)] + [7, 99]),
+            st.sampled_from(["http://a:8000", "http://b:8000"]),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_the_tails_table_finds_the_last_write_of_each_key_even_past_its_end(
+    writes: list[tuple[int, str]],
+) -> None:
+    """At most 8 keys a home entry: each is found with the node of its last write, and a key
+    never written is not found."""
+    with tempfile.TemporaryDirectory() as tmp:
+        table = LoadTable(workers=2, slots=4)
+        writer, reader = (
+            LoadShare(table, worker=w, lock_file=Path(tmp) / "slots.lock") for w in range(2)
+        )
+        for node in ("http://a:8000", "http://b:8000"):
+            reader.slot(node)
+        last: dict[int, str] = {}
+        for key, node in writes:
+            assert writer.share_tail(node, (key,), (0,), 120.0)
+            last[key] = node
+        for key, node in last.items():
+            assert reader.deepest_tail((key,), (0,), 120.0) == (node, 1)
+        assert reader.deepest_tail((shared.TAILS * 4 - 1,), (0,), 120.0) is None
+        assert table.cells[table.demand_at] == 0  # the tails stayed in their own cells
+
+
 def _dispatcher(pool: NodePool, seed: int, **config: Any) -> Dispatcher:
     """A ``meridian`` dispatcher over ``pool``, seeded."""
     return Dispatcher(
