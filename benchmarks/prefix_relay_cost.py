@@ -122,9 +122,9 @@ def measure_table(records: int, seed: int) -> dict[str, float]:
             LoadShare(table, worker=w, lock_file=Path(tmp) / "slots.lock")
             for w in range(SIBLINGS + 1)
         ]
-    for share in shares:
-        for node in NODES:
-            share.slot(node)  # as the pool's views slot every node
+        for share in shares:
+            for node in NODES:
+                share.slot(node)  # as the pool's views slot every node (under the lock)
     reader = shares[0]
 
     def lookup(hashes: Sequence[int], at: Sequence[int]) -> tuple[NodeId, int] | None:
