@@ -195,7 +195,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(WORKERS, [str(n) for n in WORKERS])
     ax.set_xlabel("workers")
-    ax.set_ylabel("relay CPU per request, µs (each worker's share)")
+    ax.set_ylabel("relay CPU per request, µs (its write and every read of it)")
     ax.legend(fontsize=8)
     fig.suptitle(
         f"prefix relay per request: whole records, tails through the rings, tails in the "
