@@ -71,9 +71,10 @@ deepest match (:meth:`LoadShare.deepest_tail`, attached by
 indexed block holds every one before, so a bisection over those positions finds the deepest in
 a few probes; where the prompt written there ended before the query's next indexed position,
 one more probe, of that prompt's last block (written too: an index keeps a prompt's last
-block), says whether the query goes on as far.  So taking the tails in costs a decision the same at any number of workers, where
-relaying them through the rings cost every sibling an insert of every tail (7 records a request
-at 8 workers, 31 at 32: docs/benchmarks.md, "Workers").  An entry names one node (the last
+block), says whether the query goes on as far.  So taking the tails in costs a decision the
+same at any number of workers, where relaying them through the rings cost every sibling an
+insert of every tail (7 records a request at 8 workers, 31 at 32: docs/benchmarks.md,
+"Workers").  An entry names one node (the last
 writer's); tails older than the index's ``ttl_s`` are ignored, and the oldest of those tried
 is written over when none is free, so the table keeps the newest ``TAILS`` entries at most.
 
