@@ -144,7 +144,7 @@ def measure_table(records: int, seed: int) -> dict[str, float]:
         t0 = time.perf_counter()
         at = positions(len(hashes))  # WorkerRuntime._share_tail
         shares[1 + i % SIBLINGS].share_tail(
-            NODES[i % 2], hashes, at[bisect.bisect_left(at, HEAD) :], ttl_s
+            NODES[i % 2], hashes, at[bisect.bisect_left(at, HEAD) :]
         )
         t1 = time.perf_counter()
         writing += t1 - t0

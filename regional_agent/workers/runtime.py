@@ -208,9 +208,7 @@ class WorkerRuntime:
         if positions is None:
             return False
         at = positions(len(hashes))
-        return self.share.share_tail(
-            node_id, hashes, at[bisect.bisect_left(at, start) :], self._ttl_s
-        )
+        return self.share.share_tail(node_id, hashes, at[bisect.bisect_left(at, start) :])
 
     def _deepest_tail(
         self, hashes: Sequence[int], positions: Sequence[int]

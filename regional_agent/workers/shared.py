@@ -74,9 +74,9 @@ one more probe, of that prompt's last block (written too: an index keeps a promp
 block), says whether the query goes on as far.  So taking the tails in costs a decision the
 same at any number of workers, where relaying them through the rings cost every sibling an
 insert of every tail (7 records a request at 8 workers, 31 at 32: docs/benchmarks.md,
-"Workers").  An entry names one node (the last
-writer's); tails older than the index's ``ttl_s`` are ignored, and the oldest of those tried
-is written over when none is free, so the table keeps the newest ``TAILS`` entries at most.
+"Workers").  An entry names one node (the last writer's); a reader ignores tails older than
+the index's ``ttl_s``, and a writer whose key has no entry yet writes over the oldest of those
+tried (a free one is stamped 0), so the table keeps the newest entries.
 
 Demand is what the autoscaler's load policy reads (``autoscaler.load``): each worker posts the
 requests waiting in its queue and its arrivals so far (:meth:`LoadShare.post_demand`, every
@@ -622,9 +622,7 @@ class LoadShare:
 
     # -- prompt tails --------------------------------------------------------------------------
 
-    def share_tail(
-        self, node_id: str, hashes: Sequence[int], positions: Sequence[int], ttl_s: float
-    ) -> bool:
+    def share_tail(self, node_id: str, hashes: Sequence[int], positions: Sequence[int]) -> bool:
         """This worker sent a prompt of ``hashes`` to ``node_id``: write its blocks at
         ``positions`` (the prefix index's, from the tail's first block on), each with the
         prompt's length, for the siblings (module docstring).  False when the node has no slot

@@ -191,8 +191,9 @@ class PrefixRelay:
         """Tell the siblings ``node_id`` was sent a prompt of these block hashes, of which this
         worker's policy matched the leading ``matched`` on it: those are left out when this
         worker wrote them for that node whole less than ``full_every_s`` ago (module
-        docstring).  A prompt of more than ``MAX_HASHES`` blocks (7,371: 118k tokens of 16)
-        sends its leading ones."""
+        docstring); such a tail goes to ``share_tail`` when given, and to the ring only when it
+        declines.  A prompt of more than ``MAX_HASHES`` blocks (7,371: 118k tokens of 16) sends
+        its leading ones."""
         if not self._siblings or not hashes:
             return
         start = 0

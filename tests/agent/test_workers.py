@@ -269,9 +269,9 @@ def test_a_sibling_s_prompt_tail_is_found_past_the_match_and_an_old_or_torn_one_
 
     def siblings() -> None:
         one = LoadShare(table, worker=1, lock_file=lock_file)
-        assert one.share_tail(a, turn, range(30, 40), 120.0)
+        assert one.share_tail(a, turn, range(30, 40))
         LoadShare(table, worker=2, lock_file=lock_file).share_tail(
-            b, (*range(1, 31), 900, 901), (30, 31), 120.0
+            b, (*range(1, 31), 900, 901), (30, 31)
         )  # another question after the same system prompt
 
     in_child(siblings)
@@ -332,7 +332,7 @@ def test_the_tails_table_finds_the_last_write_of_each_key_even_past_its_end(
             reader.slot(node)
         last: dict[int, str] = {}
         for key, node in writes:
-            assert writer.share_tail(node, (key,), (0,), 120.0)
+            assert writer.share_tail(node, (key,), (0,))
             last[key] = node
         for key, node in last.items():
             assert reader.deepest_tail((key,), (0,), 120.0) == (node, 1)
