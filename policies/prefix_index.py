@@ -56,8 +56,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Final
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Final, TypeVar
 
 from policies.model import NodeId
 
@@ -74,6 +74,41 @@ _FLOORS_KEPT: Final = 4096  # floors kept at most (then forgotten, to be found a
 Run = tuple[int, Collection[NodeId]]
 # a prompt sent to a node: the node, its first block given, the hashes from that block on
 Tail = tuple[NodeId, int, Sequence[int]]
+_H = TypeVar("_H")
+
+
+def deepest_written(
+    hashes: Sequence[int],
+    positions: Sequence[int],
+    written: Callable[[int], tuple[_H, int] | None],
+) -> tuple[_H, int] | None:
+    """The deepest of ``positions`` (ascending) whose block of ``hashes`` a table of prompt
+    tails holds, and how many leading blocks of ``hashes`` that covers; None when it holds
+    none.  ``written(block)`` is the table's entry for a block hash: who holds it and the
+    length of the prompt written there.  Because hashes chain, the positions held form a run
+    that ends somewhere, and a bisection finds its end; where the prompt written there ended
+    before the next of ``positions``, its last block (written too: an index keeps a prompt's
+    last block) says whether ``hashes`` go on as far.  The workers' shared table
+    (``regional_agent.workers.shared.LoadShare.deepest_tail``) and the fleet simulator's model
+    of it both ask this way."""
+    found: tuple[_H, int] | None = None
+    lo, hi = -1, len(positions)  # held at lo (or before the first), not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        entry = written(hashes[positions[mid]])
+        if entry is None:
+            hi = mid
+        else:
+            lo, found = mid, entry
+    if found is None:
+        return None
+    holder, end = found
+    depth = positions[lo] + 1
+    if depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi]):
+        last = written(hashes[end - 1])
+        if last is not None:
+            return last[0], end
+    return holder, depth
 
 
 class PrefixIndex:

@@ -95,7 +95,7 @@ from meridian_sim.fleet.oracle import Oracle
 from meridian_sim.offline import percentile
 from meridian_sim.profile import Profile
 from meridian_sim.workloads import BlockHasher, TraceRequest, prompt_of
-from policies import admission, autoscaling, group_routing, routing
+from policies import admission, autoscaling, group_routing, prefix_index, routing
 from policies import spill as spill_policy
 from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
@@ -352,29 +352,14 @@ class _SiblingTails:
         end, now = len(hashes), self.now
         self._blocks.update((hashes[p], (node, end, now)) for p in positions)
 
-    def _held(self, block: int) -> tuple[NodeId, int, float] | None:
+    def _held(self, block: int) -> tuple[NodeId, int] | None:
         found = self._blocks.get(block)
-        return found if found is not None and found[2] >= self.now - self._ttl_s else None
+        if found is None or found[2] < self.now - self._ttl_s:
+            return None
+        return found[0], found[1]
 
     def deepest(self, hashes: Sequence[int], positions: Sequence[int]) -> tuple[NodeId, int] | None:
-        lo, hi = -1, len(positions)
-        found: tuple[NodeId, int, float] | None = None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            at = self._held(hashes[positions[mid]])
-            if at is None:
-                hi = mid
-            else:
-                lo, found = mid, at
-        if found is None:
-            return None
-        node, end, _ = found
-        depth = positions[lo] + 1
-        if depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi]):
-            last = self._held(hashes[end - 1])
-            if last is not None:
-                return last[0], end
-        return node, depth
+        return prefix_index.deepest_written(hashes, positions, self._held)
 
 
 class _Region:

@@ -117,6 +117,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from policies import prefix_index
+
 log = logging.getLogger(__name__)
 
 _MAGIC = 0x4D455249  # "MERI"
@@ -661,22 +663,17 @@ class LoadShare:
         its last block (written too) is looked up: the match goes on to it when held (module
         docstring)."""
         oldest = time.monotonic_ns() // 1000 - int(ttl_s * 1e6)
-        found = end = 0
-        lo, hi = -1, len(positions)  # held at lo (or before the first), not at hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            at = self._tail_at(hashes[positions[mid]] & _KEY_MASK or 1, oldest)
-            if at is None:
-                hi = mid
-            else:  # (a length read as rewritten names a block the check below misses)
-                lo, found, end = mid, self._cells[at + 1], self._cells[at + 3]
-        if lo < 0:
+        cells = self._cells
+
+        def written(block: int) -> tuple[int, int] | None:
+            at = self._tail_at(block & _KEY_MASK or 1, oldest)
+            # (a length read as rewritten names a block the last-block check misses)
+            return None if at is None else (cells[at + 1], cells[at + 3])
+
+        deepest = prefix_index.deepest_written(hashes, positions, written)
+        if deepest is None:
             return None
-        depth = positions[lo] + 1
-        if depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi]):
-            at = self._tail_at(hashes[end - 1] & _KEY_MASK or 1, oldest)  # its last block
-            if at is not None:
-                depth, found = end, self._cells[at + 1]
+        found, depth = deepest
         node_id = self._by_slot.get(((found & _VALUE_MASK) >> _WORKER_BITS) - 1)
         if node_id is None:
             return None  # a node this worker has never counted: not in its pool

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import group_routing, prompt, routing
+from policies import group_routing, prefix_index, prompt, routing
 from policies.groups import GroupId
 from policies.kv_index import PreciseIndex
 from policies.model import (
@@ -979,10 +979,8 @@ def test_meridian_scores_each_candidate_by_its_documented_cost(
 
 class _TailTable:
     """The shared table of prompt tails as a policy sees it (``routing.SiblingTails``): each
-    block written names the node its prompt went to and the prompt's length; a lookup bisects
-    the positions it is given for the deepest one written, and goes on to the written prompt's
-    last block when the query holds it too (``regional_agent.workers.shared.LoadShare``'s
-    ``deepest_tail``)."""
+    block written names the node its prompt went to and the prompt's length, and a lookup asks
+    as the workers' table does (``prefix_index.deepest_written``)."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[NodeId, int]] = {}
@@ -993,21 +991,7 @@ class _TailTable:
 
     def deepest(self, hashes: Sequence[int], positions: Sequence[int]) -> tuple[NodeId, int] | None:
         self.asked += 1
-        lo, hi = -1, len(positions)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if hashes[positions[mid]] in self.blocks:
-                lo = mid
-            else:
-                hi = mid
-        if lo < 0:
-            return None
-        node_id, end = self.blocks[hashes[positions[lo]]]
-        depth = positions[lo] + 1
-        between = depth < end <= len(hashes) and (hi == len(positions) or end <= positions[hi])
-        if between and hashes[end - 1] in self.blocks:
-            return self.blocks[hashes[end - 1]][0], end
-        return node_id, depth
+        return prefix_index.deepest_written(hashes, positions, self.blocks.get)
 
 
 @pytest.mark.parametrize("name", ["meridian", "prefix_aware"])
